@@ -1,0 +1,222 @@
+"""Converted model folders: save and load.
+
+A converted folder holds:
+  config.json        {"format": "asynclane-jax", "format_version": 1,
+                      "model": <ModelConfig fields>, "hf_config": <original config.json or null>}
+  params/            an orbax checkpoint of the parameters (nested dict of arrays)
+  tokenizer files    tokenizer.json and friends, copied verbatim (optional)
+
+The same loader serves the shipped tiny models (by name) and converted 8B checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from asynclane_jax.models.config import ModelConfig
+from asynclane_jax.models.model import DiffusionLM, abstract_model
+
+FORMAT = "asynclane-jax"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+PARAMS_DIR = "params"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "chat_template.jinja", "generation_config.json")
+
+# Models shipped inside the package, loadable by name.
+_SHIPPED_DIR = pathlib.Path(__file__).parent / "testbed" / "models"
+
+
+class CheckpointError(ValueError):
+    """A converted folder is missing, malformed, or does not match its config."""
+
+
+def shipped_models() -> list[str]:
+    """Names of the models embedded in the package."""
+    if not _SHIPPED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in _SHIPPED_DIR.iterdir() if (p / CONFIG_FILE).is_file())
+
+
+def resolve(path_or_name: str | os.PathLike) -> pathlib.Path:
+    """Maps a shipped model name or a folder path to a converted folder."""
+    p = pathlib.Path(path_or_name)
+    if (p / CONFIG_FILE).is_file():
+        return p
+    shipped = _SHIPPED_DIR / str(path_or_name)
+    if (shipped / CONFIG_FILE).is_file():
+        return shipped
+    if p.exists():
+        raise CheckpointError(f"{p} is not a converted model folder (no {CONFIG_FILE})")
+    raise CheckpointError(
+        f"no model {str(path_or_name)!r}: not a folder, and not a shipped model "
+        f"(shipped: {shipped_models() or 'none'})")
+
+
+def params_to_numpy(model: DiffusionLM) -> dict:
+    """The parameters as a nested dict of numpy arrays (string keys)."""
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return jax.tree.map(np.asarray, _str_keys(pure))
+
+
+def _str_keys(tree):
+    if isinstance(tree, dict):
+        return {str(k): _str_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def _restore_keys(tree, template):
+    """Gives a restored dict the key types (ints for layer lists) of the template."""
+    if isinstance(template, dict):
+        return {k: _restore_keys(tree[str(k)], v) for k, v in template.items()}
+    return tree
+
+
+def write_config(folder: pathlib.Path, cfg: ModelConfig, hf_config: dict | None,
+                 extra: dict | None = None) -> None:
+    data = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": cfg.to_dict(),
+            "hf_config": hf_config}
+    if extra:
+        data.update(extra)
+    (folder / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_params(params_dir: pathlib.Path, params: dict) -> None:
+    """Writes a nested dict of arrays as an orbax checkpoint (blocking)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(params_dir.absolute(), _str_keys(params))
+        ckptr.wait_until_finished()
+
+
+def save(folder: str | os.PathLike, model: DiffusionLM, *, hf_config: dict | None = None,
+         tokenizer_dir: str | os.PathLike | None = None, extra: dict | None = None,
+         overwrite: bool = False) -> pathlib.Path:
+    """Saves a model as a converted folder, atomically (temp folder, then rename).
+
+    Args:
+      folder: destination.
+      model: the model.
+      hf_config: original Hugging Face config to keep verbatim.
+      tokenizer_dir: folder whose tokenizer files are copied in.
+      extra: additional top-level entries for config.json (e.g. a model card summary).
+      overwrite: replace an existing destination.
+    Returns:
+      The destination path.
+    """
+    dst = pathlib.Path(folder).absolute()
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} exists; pass overwrite=True to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        write_config(tmp, model.cfg, hf_config, extra)
+        save_params(tmp / PARAMS_DIR, params_to_numpy(model))
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(pathlib.Path(tokenizer_dir), tmp)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def copy_tokenizer_files(src: pathlib.Path, dst: pathlib.Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Reads a converted folder's config.json; returns (ModelConfig, the whole json)."""
+    folder = resolve(folder)
+    try:
+        data = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{folder / CONFIG_FILE} is not valid JSON: {e}") from None
+    if data.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{folder / CONFIG_FILE} is not an asynclane-jax config; if this is a Hugging Face "
+            "snapshot, convert it first with `asynclane-jax convert SRC DST`")
+    return ModelConfig.from_dict(data["model"]), data
+
+
+def load_model(folder: str | os.PathLike, *, dtype: str | None = None) -> DiffusionLM:
+    """Loads the model of a converted folder (or shipped name)."""
+    import orbax.checkpoint as ocp
+
+    folder = resolve(folder)
+    cfg, _ = read_config(folder)
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    abstract = abstract_model(cfg)
+    graphdef, abs_state = nnx.split(abstract)
+    template = nnx.to_pure_dict(abs_state)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _str_keys(template))
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            restored = ckptr.restore((folder / PARAMS_DIR).absolute(), target)
+        except Exception as e:  # orbax raises several types for bad checkpoints
+            raise CheckpointError(f"cannot read parameters in {folder / PARAMS_DIR}: {e}") from e
+    restored = jax.tree.map(lambda a, t: jnp.asarray(a, t.dtype), restored, target)
+    nnx.replace_by_pure_dict(abs_state, _restore_keys(restored, template))
+    return nnx.merge(graphdef, abs_state)
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """The folder's tokenizer as a transformers PreTrainedTokenizerFast, or None.
+
+    Never executes code from the folder (no trust_remote_code).
+    """
+    folder = resolve(folder)
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs: dict[str, Any] = {}
+    cfg_path = folder / "tokenizer_config.json"
+    if cfg_path.is_file():
+        tok_cfg = json.loads(cfg_path.read_text())
+        for key in ("bos_token", "eos_token", "pad_token", "mask_token", "unk_token"):
+            tok = tok_cfg.get(key)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            if isinstance(tok, str):
+                kwargs[key] = tok
+        if isinstance(tok_cfg.get("chat_template"), str):
+            kwargs["chat_template"] = tok_cfg["chat_template"]
+    if "chat_template" not in kwargs and (folder / "chat_template.jinja").is_file():
+        kwargs["chat_template"] = (folder / "chat_template.jinja").read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **kwargs)
+
+
+def load(path_or_name: str | os.PathLike, *, dtype: str | None = None):
+    """Loads a converted folder or shipped model.
+
+    Args:
+      path_or_name: a folder written by `asynclane-jax convert` / `save`, or a shipped
+        model name such as "tiny-llada".
+      dtype: override the stored compute/param dtype ("float32", "bfloat16").
+    Returns:
+      (model, tokenizer or None, ModelConfig).
+    """
+    folder = resolve(path_or_name)
+    model = load_model(folder, dtype=dtype)
+    return model, load_tokenizer(folder), model.cfg

@@ -1,0 +1,88 @@
+"""The `asynclane-jax` command line.
+
+Subcommands:
+  info      parameter counts of a preset or converted folder (no weights allocated)
+  convert   Hugging Face LLaDA / Dream checkpoint -> converted folder (checkpoints_convert)
+  generate  decode a prompt with a sampler
+  eval      accuracy and speed of a sampler on the testbed's held-out problems
+
+Errors a user can cause are printed as one line on stderr with exit status 2; no
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from asynclane_jax.checkpoint import CheckpointError
+from asynclane_jax.models.config import PRESETS, ConfigError
+
+
+class UsageError(ValueError):
+    """A bad command-line request; printed without a traceback."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, ConfigError, CheckpointError,
+                                                FileNotFoundError)
+
+
+def _cmd_info(args) -> int:
+    from asynclane_jax.checkpoint import read_config
+    from asynclane_jax.models import param_stats, preset
+
+    if (args.preset is None) == (args.model is None):
+        raise UsageError("info: give exactly one of --preset NAME or --model PATH")
+    cfg = preset(args.preset) if args.preset else read_config(args.model)[0]
+    stats = param_stats(cfg)
+    out = {"name": args.preset or str(args.model), **stats, "config": cfg.to_dict()}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{out['name']}: {stats['params']:,} parameters in {stats['tensors']} tensors, "
+              f"{stats['bytes_bf16'] / 2**30:.2f} GiB in bfloat16")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asynclane-jax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="parameter counts of a preset or converted folder")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named config")
+    p.add_argument("--model", help="a converted folder or shipped model name")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_info)
+
+    _register_optional(sub)
+    return parser
+
+
+def _register_optional(sub) -> None:
+    """Subcommands that live in their own modules."""
+    from checkpoints_convert import cli as convert_cli
+
+    convert_cli.register(sub)
+    try:
+        from asynclane_jax import generate_cli
+    except ImportError:  # decoding not built yet
+        return
+    generate_cli.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        print(f"asynclane-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"asynclane-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

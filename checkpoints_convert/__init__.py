@@ -1,0 +1,1 @@
+"""Convert Hugging Face PyTorch LLaDA / Dream checkpoints into asynclane-jax folders."""
