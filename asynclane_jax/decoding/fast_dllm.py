@@ -1,0 +1,58 @@
+"""Fast-dLLM (arXiv 2505.22618): confidence-aware parallel decoding, with prefix or dual
+K/V caching chosen by the policy's `cache` field (the loop implements the caches).
+
+Threshold rule: commit every masked position of the block whose confidence is at least
+`threshold`, and always the most confident one. Factor rule: with confidences sorted
+c(1) >= c(2) >= ..., commit the leading run that satisfies c(n) >= 1 - factor / (n + 1)
+(the first always). `steps` does not exist: a block loops until it has no masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from asynclane_jax.decoding import ops
+from asynclane_jax.decoding.policy import BlockPolicy, SamplerError, greedy_confidence
+
+
+def check_threshold(name: str, value: float, field: str = "threshold"):
+    if not 0 < value <= 1:
+        raise SamplerError(f"{name}: {field}={value} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class FastDllmPolicy(BlockPolicy):
+    """Attributes (beyond BlockPolicy):
+      threshold: confidence threshold (used when factor is None).
+      factor: the factor rule's f; when set, replaces the threshold rule.
+    """
+
+    name = "fast-dllm"
+    threshold: float = 0.9
+    factor: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_threshold(self.name, self.threshold)
+        if self.factor is not None and not self.factor > 0:
+            raise SamplerError(f"fast-dllm: factor={self.factor} must be positive")
+
+    def select(self, logits, masked, step_in_block, key, pstate):
+        x0, conf = greedy_confidence(logits)
+        conf = jnp.where(masked, conf, ops.NEG_INF)
+        rank = ops.rank_of(conf)
+        first = (rank == 0) & masked
+        if self.factor is None:
+            commit = first | (masked & (conf >= self.threshold))
+        else:
+            # Threshold for the n-th most confident (n = rank + 1): 1 - f / (n + 1).
+            th = 1.0 - self.factor / (rank.astype(jnp.float32) + 2.0)
+            passes = (conf >= th) | (rank == 0)
+            # Leading run in rank order: position of rank r commits iff every rank <= r
+            # passes, i.e. r < the lowest rank that fails.
+            fail_rank = jnp.where(masked & ~passes, rank, conf.shape[-1])
+            k = jnp.min(fail_rank, axis=-1)
+            commit = masked & (rank < k[:, None])
+        return commit, x0, pstate

@@ -1,0 +1,49 @@
+"""LocalLeap (arXiv 2510.07081): threshold decoding that relaxes the threshold next to
+confident anchors.
+
+In the current block: the most confident masked position always commits; anchors are
+masked positions with confidence >= threshold; within `radius` of any anchor a masked
+position commits at confidence >= relaxed_threshold, elsewhere at >= threshold. With no
+anchor this is Fast-dLLM threshold decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from asynclane_jax.decoding import ops
+from asynclane_jax.decoding.fast_dllm import check_threshold
+from asynclane_jax.decoding.policy import BlockPolicy, SamplerError, greedy_confidence
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLeapPolicy(BlockPolicy):
+    name = "localleap"
+    threshold: float = 0.9
+    relaxed_threshold: float = 0.75
+    radius: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_threshold(self.name, self.threshold)
+        check_threshold(self.name, self.relaxed_threshold, "relaxed_threshold")
+        if self.relaxed_threshold > self.threshold:
+            raise SamplerError(
+                f"localleap: relaxed_threshold={self.relaxed_threshold} must not exceed "
+                f"threshold={self.threshold}")
+        if self.radius < 0:
+            raise SamplerError(f"localleap: radius={self.radius} must be >= 0")
+
+    def select(self, logits, masked, step_in_block, key, pstate):
+        x0, conf = greedy_confidence(logits)
+        conf = jnp.where(masked, conf, ops.NEG_INF)
+        first = (ops.rank_of(conf) == 0) & masked
+        anchor = masked & (conf >= self.threshold)  # [b, B]
+        n = conf.shape[-1]
+        idx = jnp.arange(n)
+        near = jnp.abs(idx[:, None] - idx[None, :]) <= self.radius  # [B, B]
+        in_hood = jnp.any(anchor[:, None, :] & near[None, :, :], axis=-1)  # [b, B]
+        commit = first | anchor | (masked & in_hood & (conf >= self.relaxed_threshold))
+        return commit, x0, pstate

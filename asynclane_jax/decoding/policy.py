@@ -1,0 +1,89 @@
+"""The sampler-policy interface of the decode loop.
+
+A policy is a frozen, hashable dataclass: its fields are static settings (they are part
+of the compiled program). The one driver in loop.py asks it:
+  - how long a block is and which cache mode it uses (which positions a call queries);
+  - `select`: given the logits of the row's current block, what to commit;
+  - `max_iterations`: the loop's step cap (hitting it is a bug signal, reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+class SamplerError(ValueError):
+    """Bad sampler name or options."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPolicy:
+    """Semi-autoregressive block decoding: a row works on one block at a time and moves
+    to the next once the block has no masks left.
+
+    Attributes:
+      gen_length: G, generated tokens per row.
+      block_length: B; G % B == 0.
+      cache: "none" (every call a full forward), "prefix" (refresh at block start, then
+        query [block start, T) against cached K/V of the prefix) or "dual" (refresh at
+        block start, then query only the block against cached K/V of everything else).
+    """
+
+    name: ClassVar[str] = "block"
+    gen_length: int
+    block_length: int
+    cache: str = "none"
+
+    def __post_init__(self):
+        if self.gen_length <= 0:
+            raise SamplerError(f"gen_length={self.gen_length}: must be positive")
+        if self.block_length <= 0:
+            raise SamplerError(f"block_length={self.block_length}: must be positive")
+        if self.gen_length % self.block_length:
+            raise SamplerError(
+                f"gen_length={self.gen_length} is not a multiple of "
+                f"block_length={self.block_length}")
+        if self.cache not in CACHE_MODES:
+            raise SamplerError(f"cache={self.cache!r}: expected one of {CACHE_MODES}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    def max_iterations(self) -> int:
+        # Every served iteration commits at least one token, and a cached row may wait one
+        # iteration per block while other rows refresh.
+        return self.gen_length + 2 * self.num_blocks + 2
+
+    def init_state(self, batch: int) -> Any:
+        del batch
+        return ()
+
+    def select(self, logits, masked, step_in_block, key, pstate):
+        """Chooses what to commit in each row's current block.
+
+        Args:
+          logits: [b, B, V] float32, the logits predicting each block position (Dream's
+            shift already applied).
+          masked: [b, B] bool, still masked positions of the block.
+          step_in_block: [b] int32 iterations already spent on this block.
+          key: PRNG key for this iteration.
+          pstate: the policy's state.
+        Returns:
+          (commit [b, B] bool (a subset of masked), tokens [b, B] int32, new pstate).
+        """
+        raise NotImplementedError
+
+
+def greedy_confidence(logits):
+    """argmax token and its softmax probability; [b, n, V] -> ([b, n] int32, [b, n] f32)."""
+    x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
+    return x0, conf
