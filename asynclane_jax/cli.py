@@ -17,6 +17,7 @@ import json
 import sys
 
 from asynclane_jax.checkpoint import CheckpointError
+from asynclane_jax.decoding.policy import SamplerError
 from asynclane_jax.models.config import PRESETS, ConfigError
 
 
@@ -25,7 +26,7 @@ class UsageError(ValueError):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, ConfigError, CheckpointError,
-                                                FileNotFoundError)
+                                                SamplerError, FileNotFoundError)
 
 
 def _cmd_info(args) -> int:
@@ -64,10 +65,8 @@ def _register_optional(sub) -> None:
     from checkpoints_convert import cli as convert_cli
 
     convert_cli.register(sub)
-    try:
-        from asynclane_jax import generate_cli
-    except ImportError:  # decoding not built yet
-        return
+    from asynclane_jax import generate_cli
+
     generate_cli.register(sub)
 
 

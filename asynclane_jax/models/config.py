@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 
@@ -110,14 +111,14 @@ class ModelConfig:
             ids.append(self.eot_token_id)
         return tuple(ids)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -225,14 +226,16 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelC
     if model_type == "dream" or any("dream" in a for a in archs):
         return _from_dream(hf, dtype)
     raise ConfigError(
-        f"unsupported model_type {hf.get('model_type')!r} (architectures {hf.get('architectures')}); "
+        f"unsupported model_type {hf.get('model_type')!r} "
+        f"(architectures {hf.get('architectures')}); "
         "expected a LLaDA ('llada') or Dream ('Dream') config")
 
 
 def _dtype_of(hf, dtype):
     if dtype is not None:
         return dtype
-    torch_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
+    torch_dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "float32")
+    torch_dtype = torch_dtype.replace("torch.", "")
     return torch_dtype if torch_dtype in DTYPES else "float32"
 
 
@@ -257,10 +260,12 @@ def _from_llada(hf, dtype):
     _fail_if(bool(hf.get("alibi")), problems, "alibi=true is not supported (RoPE only)")
     _fail_if(hf.get("rope") is False, problems, "rope=false is not supported")
     _fail_if(bool(hf.get("include_bias")), problems, "include_bias=true is not supported")
-    _fail_if(hf.get("clip_qkv") is not None, problems, f"clip_qkv={hf.get('clip_qkv')} is not supported")
+    _fail_if(hf.get("clip_qkv") is not None, problems,
+             f"clip_qkv={hf.get('clip_qkv')} is not supported")
     _fail_if(bool(hf.get("rope_full_precision") is False), problems,
              "rope_full_precision=false is not supported")
-    _fail_if(bool(hf.get("attention_layer_norm")), problems, "attention_layer_norm=true is not supported")
+    _fail_if(bool(hf.get("attention_layer_norm")), problems,
+             "attention_layer_norm=true is not supported")
     _fail_if(bool(hf.get("multi_query_attention")) and n_kv not in (1, None), problems,
              "multi_query_attention conflicts with n_kv_heads")
     if hf.get("multi_query_attention"):
@@ -303,7 +308,8 @@ def _from_dream(hf, dtype):
     mlp_hidden = _req(hf, "intermediate_size", problems)
     vocab = _req(hf, "vocab_size", problems)
     n_kv = hf.get("num_key_value_heads") or n_heads
-    _fail_if(bool(hf.get("use_sliding_window")), problems, "use_sliding_window=true is not supported")
+    _fail_if(bool(hf.get("use_sliding_window")), problems,
+             "use_sliding_window=true is not supported")
     _fail_if(hf.get("rope_scaling") not in (None, {}), problems,
              f"rope_scaling={hf.get('rope_scaling')} is not supported")
     act = hf.get("hidden_act", "silu")

@@ -1,0 +1,144 @@
+"""The decode loop itself: batching, compilation, loop equivalence, block discipline,
+option validation. Exactness against the public samplers is in test_decoding_exactness."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import sharpened_model
+from flax import nnx
+
+from asynclane_jax.decoding import SamplerError, generate, loop
+from asynclane_jax.decoding.api import build_canvas, make_policy
+from asynclane_jax.models import tiny_llada
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
+
+CASES = [
+    ("vanilla", dict(steps=32)),
+    ("vanilla", dict(steps=16)),
+    ("fast-dllm", dict(cache="none")),
+    ("fast-dllm", dict(cache="prefix")),
+    ("fast-dllm", dict(cache="dual", threshold=0.95)),
+    ("fast-dllm", dict(cache="dual", factor=1.0)),
+    ("localleap", dict(cache="dual")),
+]
+
+
+@pytest.mark.parametrize("sampler,opts", CASES)
+def test_batch_rows_equal_single_runs(tiny_llada_model, sampler, opts):
+    batch = generate(tiny_llada_model, PROMPTS, sampler=sampler, gen_length=32,
+                     block_length=8, **opts)
+    assert not batch.stats["hit_step_cap"]
+    for i, p in enumerate(PROMPTS):
+        alone = generate(tiny_llada_model, [p], sampler=sampler, gen_length=32,
+                         block_length=8, **opts)
+        np.testing.assert_array_equal(batch.tokens[i], alone.tokens[0])
+        np.testing.assert_array_equal(batch.stats["commit_step"][i],
+                                      alone.stats["commit_step"][0])
+        assert batch.stats["row_steps"][i] == alone.stats["row_steps"][0]
+    mask = tiny_llada_model.cfg.mask_token_id
+    assert not np.any(batch.tokens == mask)
+
+
+def test_dream_batch_rows_equal_single_runs(tiny_dream_model):
+    for opts in (dict(sampler="dream", steps=32), dict(sampler="fast-dllm", cache="dual")):
+        batch = generate(tiny_dream_model, PROMPTS, gen_length=32, block_length=None
+                         if opts["sampler"] == "dream" else 8, **opts)
+        for i, p in enumerate(PROMPTS):
+            alone = generate(tiny_dream_model, [p], gen_length=32, block_length=None
+                             if opts["sampler"] == "dream" else 8, **opts)
+            np.testing.assert_array_equal(batch.tokens[i], alone.tokens[0])
+
+
+def test_threshold_commits_several_tokens_per_step(tiny_llada_model):
+    res = generate(tiny_llada_model, PROMPTS, sampler="fast-dllm", gen_length=32,
+                   block_length=8, cache="dual")
+    # Fewer steps than tokens: the sharpened model is confident, so blocks go in parallel.
+    assert res.stats["steps"] < 32
+    # Rows finish independently: not all rows take the same number of steps.
+    assert len(set(res.stats["row_steps"].tolist())) > 1
+
+
+@pytest.mark.parametrize("sampler,opts", [CASES[0], CASES[4]])
+def test_commits_stay_inside_the_current_block(tiny_llada_model, sampler, opts):
+    res = generate(tiny_llada_model, PROMPTS, sampler=sampler, gen_length=32,
+                   block_length=8, **opts)
+    cs = res.stats["commit_step"].reshape(len(PROMPTS), 4, 8)
+    assert np.all(cs >= 0)
+    # Every commit of block i happens before any commit of block i + 1.
+    assert np.all(cs[:, :-1].max(axis=2) < cs[:, 1:].min(axis=2))
+
+
+def test_one_compilation_per_bucket():
+    model = sharpened_model(tiny_llada(), seed=3)
+    before = loop.TRACE_COUNT["decode"]
+    outs = []
+    for n in (3, 5, 9, 17, 30):  # all in the default bucket of 32
+        prompt = [(7 * i) % 60 for i in range(n)]
+        outs.append(generate(model, [prompt, prompt[:2]], sampler="fast-dllm",
+                             gen_length=16, block_length=8, cache="dual"))
+    assert loop.TRACE_COUNT["decode"] - before == 1
+    assert outs[0].stats["compiled"] and not any(o.stats["compiled"] for o in outs[1:])
+    # A prompt beyond the bucket compiles once more.
+    generate(model, [list(range(1, 40)), [1, 2]], sampler="fast-dllm", gen_length=16,
+             block_length=8, cache="dual")
+    assert loop.TRACE_COUNT["decode"] - before == 2
+
+
+@pytest.mark.parametrize("sampler,opts", [CASES[0], CASES[3]])
+def test_while_loop_equals_python_loop(tiny_llada_model, sampler, opts):
+    cfg = tiny_llada_model.cfg
+    policy = make_policy(sampler, gen_length=16, block_length=8, **opts)
+    canvas, pad_len, _ = build_canvas(PROMPTS, 16, cfg, 32)
+    graphdef, params = nnx.split(tiny_llada_model)
+    args = (graphdef, params, jnp.asarray(canvas), jnp.asarray(pad_len), jax.random.key(0))
+    final = jax.jit(loop.decode_loop, static_argnums=0,
+                    static_argnames=("policy",))(*args, policy=policy)
+    state, body, cond = loop.build_loop(*args, policy=policy)
+    body = jax.jit(body)
+    n = 0
+    while bool(cond(state)):
+        state = body(state)
+        n += 1
+    assert n == int(final.step)
+    np.testing.assert_array_equal(np.asarray(state.canvas), np.asarray(final.canvas))
+    np.testing.assert_array_equal(np.asarray(state.commit_step), np.asarray(final.commit_step))
+    assert int(state.nfe_full) == int(final.nfe_full)
+    assert int(state.nfe_partial) == int(final.nfe_partial)
+
+
+def test_cached_call_counts(tiny_llada_model):
+    res = generate(tiny_llada_model, [PROMPTS[0]], sampler="fast-dllm", gen_length=32,
+                   block_length=8, cache="dual")
+    # One refresh per block; every other step is a cached call on the block.
+    assert res.stats["nfe_full"] == 4
+    assert res.stats["nfe_partial"] == res.stats["steps"] - 4
+    assert res.stats["tokens_processed"] == 4 * 64 + 8 * res.stats["nfe_partial"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sampler="nope"), "unknown sampler"),
+    (dict(sampler="fast-dllm", threshold=0.0), r"threshold=0.0 must be in \(0, 1\]"),
+    (dict(sampler="fast-dllm", threshold=1.5), r"must be in \(0, 1\]"),
+    (dict(sampler="fast-dllm", bogus=1), "unknown option"),
+    (dict(sampler="fast-dllm", cache="full"), "cache='full'"),
+    (dict(sampler="vanilla", block_length=5), "not a multiple of block_length"),
+    (dict(sampler="vanilla", block_length=8, steps=6), "multiple of the number of blocks"),
+    (dict(sampler="dream", alg="greedy"), "alg='greedy'"),
+    (dict(sampler="localleap", relaxed_threshold=0.95), "must not exceed"),
+    (dict(sampler="fast-dllm", gen_length=256), "exceeds the model's maximum"),
+])
+def test_bad_options_are_clear_errors(tiny_llada_model, kwargs, match):
+    kwargs = {"gen_length": 32, **kwargs}
+    with pytest.raises(SamplerError, match=match):
+        generate(tiny_llada_model, [[1, 2, 3]], **kwargs)
+
+
+def test_bad_prompts_are_clear_errors(tiny_llada_model):
+    with pytest.raises(SamplerError, match="prompt 1 is empty"):
+        generate(tiny_llada_model, [[1], []], sampler="fast-dllm", gen_length=16)
+    with pytest.raises(SamplerError, match="outside"):
+        generate(tiny_llada_model, [[1, 999]], sampler="fast-dllm", gen_length=16)
+    with pytest.raises(SamplerError, match="list of prompts"):
+        generate(tiny_llada_model, [1, 2, 3], sampler="fast-dllm", gen_length=16)
