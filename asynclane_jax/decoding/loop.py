@@ -45,21 +45,23 @@ def _block_columns(state, policy, prompt_len, offset=0):
     return start[:, None] + jnp.arange(B)[None, :] - offset
 
 
-def _full_forward(model, canvas, positions, key_mask, prompt_len, cfg_scale, mask_id,
-                  want_cache):
-    """Full forward, with LLaDA's classifier-free guidance when cfg_scale > 0."""
+def _full_forward(model, canvas, positions, key_mask, logits_index, prompt_len, cfg_scale,
+                  mask_id, want_cache):
+    """Full forward over the canvas, logits only at logits_index [b, B]; with LLaDA's
+    classifier-free guidance when cfg_scale > 0."""
     if cfg_scale > 0:
         # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
         cols = jnp.arange(canvas.shape[1])[None, :]
         uncond = jnp.where(cols < prompt_len, mask_id, canvas)
         both = jnp.concatenate([canvas, uncond], axis=0)
-        logits = model(both, positions=jnp.concatenate([positions, positions]),
-                       key_mask=jnp.concatenate([key_mask, key_mask]))
+        two = lambda a: jnp.concatenate([a, a], axis=0)
+        logits = model(both, positions=two(positions), key_mask=two(key_mask),
+                       logits_index=two(logits_index))
         cond, unc = jnp.split(logits, 2, axis=0)
         return unc + (cfg_scale + 1.0) * (cond - unc), None
-    if want_cache:
-        return model(canvas, positions=positions, key_mask=key_mask, return_kv=True)
-    return model(canvas, positions=positions, key_mask=key_mask), None
+    out = model(canvas, positions=positions, key_mask=key_mask, return_kv=want_cache,
+                logits_index=logits_index)
+    return out if want_cache else (out, None)
 
 
 def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
@@ -115,13 +117,11 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
     )
     max_iter = policy.max_iterations()
 
-    def block_logits_full(logits, st):
-        idx = _block_columns(st, policy, P, offset=shift)  # [b, B]
-        return jnp.take_along_axis(logits, idx[:, :, None], axis=1)
-
     def full_call(st, serve):
-        logits, kv = _full_forward(model, st.canvas, positions, key_mask, P, cfg_scale,
-                                   mask_id, use_cache)
+        # The output at column c - shift predicts column c of the current block.
+        logits_index = _block_columns(st, policy, P, offset=shift)  # [b, B]
+        logits, kv = _full_forward(model, st.canvas, positions, key_mask, logits_index, P,
+                                   cfg_scale, mask_id, use_cache)
         cache = st.cache
         if use_cache:
             keep = serve[None, :, None, None, None]
@@ -130,7 +130,7 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
         st = st.replace(cache=cache, nfe_full=st.nfe_full + 1,
                         tokens_processed=st.tokens_processed + b * T,
                         row_full=st.row_full + serve)
-        return block_logits_full(logits, st), st
+        return logits, st
 
     def partial_call(st, serve):
         start = P + jnp.minimum(st.block, policy.num_blocks - 1) * B - shift  # [b]

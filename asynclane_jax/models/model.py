@@ -195,7 +195,7 @@ class DiffusionLM(nnx.Module):
         return self.lm_head(x)
 
     def __call__(self, tokens, *, positions=None, key_mask=None, attn_mask=None,
-                 return_kv: bool = False):
+                 return_kv: bool = False, logits_index=None):
         """Full forward over the canvas.
 
         Args:
@@ -205,8 +205,11 @@ class DiffusionLM(nnx.Module):
           key_mask: [b, T] bool, False for padding keys.
           attn_mask: [b, T, T] bool, extra (query, key) mask, e.g. block-causal for D2F.
           return_kv: also return every layer's K/V as a KVCache.
+          logits_index: [b, Q] optional canvas columns; when given, only those rows of
+            the output head are computed (a sampler rarely needs all T x V logits).
         Returns:
-          logits [b, T, V] in float32 (no Dream shift), and the KVCache if return_kv.
+          logits [b, T, V] (or [b, Q, V]) in float32 (no Dream shift), and the KVCache
+          if return_kv.
         """
         b, t = tokens.shape
         if positions is None:
@@ -223,6 +226,8 @@ class DiffusionLM(nnx.Module):
             if return_kv:
                 ks.append(k)
                 vs.append(v)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         logits = self._logits(x).astype(jnp.float32)
         if return_kv:
             return logits, KVCache(jnp.stack(ks), jnp.stack(vs))
