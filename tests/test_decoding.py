@@ -142,3 +142,22 @@ def test_bad_prompts_are_clear_errors(tiny_llada_model):
         generate(tiny_llada_model, [[1, 999]], sampler="fast-dllm", gen_length=16)
     with pytest.raises(SamplerError, match="list of prompts"):
         generate(tiny_llada_model, [1, 2, 3], sampler="fast-dllm", gen_length=16)
+
+
+@pytest.mark.parametrize("name", ["llada-8b-instruct", "dream-7b-instruct"])
+def test_real_configs_trace_abstractly(name):
+    """The 8B / 7B decode loop traces with abstract weights (no memory allocated)."""
+    import functools
+
+    from asynclane_jax.models import abstract_model, preset
+
+    graphdef, params = nnx.split(abstract_model(preset(name)))
+    policy = make_policy("fast-dllm", gen_length=64, block_length=32, cache="dual")
+    out = jax.eval_shape(
+        functools.partial(loop.decode_loop, graphdef, policy=policy), params,
+        jax.ShapeDtypeStruct((2, 96), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
+        jax.random.key(0))
+    cfg = preset(name)
+    assert out.canvas.shape == (2, 96)
+    assert out.cache.k.shape == (cfg.n_layers, 2, 96, cfg.n_kv_heads, cfg.head_dim)
+    assert out.cache.k.dtype == jnp.bfloat16
