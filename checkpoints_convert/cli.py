@@ -1,5 +1,108 @@
-"""`asynclane-jax convert` (placeholder until the converter lands)."""
+"""`asynclane-jax convert SRC DST` and `python -m checkpoints_convert SRC DST`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+
+from asynclane_jax.checkpoint import CheckpointError
+from asynclane_jax.models.config import ConfigError
+from checkpoints_convert.convert import OUTPUT_DTYPES
+
+DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint (optionally with a "
+               "PEFT LoRA adapter merged in) into an asynclane-jax folder: streaming, atomic, "
+               "verified.")
+
+# Errors a user can cause; printed in one line, exit status 2 (CheckpointError covers
+# ConvertError).
+USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
 
 
-def register(sub) -> None:
-    del sub
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", metavar="SRC",
+                   help="snapshot folder (config.json + *.safetensors or pytorch_model*.bin), "
+                        "or a hub id already in the local Hugging Face cache")
+    p.add_argument("dst", metavar="DST", help="output folder (created atomically)")
+    p.add_argument("--dtype", choices=OUTPUT_DTYPES, default=None,
+                   help="parameter dtype of the output (default: the source tensors' dtype)")
+    p.add_argument("--lora", metavar="ADAPTER_DIR",
+                   help="PEFT LoRA adapter to merge (W + alpha/r * B @ A), e.g. a D2F student")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
+    p.add_argument("--verify", action="store_true",
+                   help="compare logits with transformers' Llama/Qwen2 (is_causal=False) "
+                        "built from the same tensors (needs torch and transformers)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers) -> None:
+    """Adds the `convert` subcommand to the asynclane-jax command line."""
+    p = subparsers.add_parser("convert", help="Hugging Face LLaDA / Dream checkpoint -> "
+                                              "converted folder", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    # A terminated conversion must still remove its temporary folder.
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args) -> int:
+    """Runs one conversion from parsed arguments; returns the exit status."""
+    from checkpoints_convert import convert as conv
+
+    with _sigterm_as_interrupt():
+        result = conv.convert(args.src, args.dst, dtype=args.dtype, lora=args.lora,
+                              force=args.force, progress=not args.no_progress)
+    print(result.summary())
+    if args.verify:
+        return _verify(args, result)
+    return 0
+
+
+def _verify(args, result) -> int:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print("verify: skipped (needs torch and transformers: pip install torch transformers)")
+        return 0
+    from checkpoints_convert import convert as conv
+    from checkpoints_convert.verify import verify_converted
+
+    snap, cfg, _, adapter = conv.prepare(args.src, dtype=result.cfg.param_dtype, lora=args.lora)
+    report = verify_converted(snap, result.dst, adapter=adapter, out_dtype=cfg.param_dtype)
+    print(report.line())
+    if report.top1_rate < 0.9:
+        print("verify: FAILED (top-1 agreement below 90%)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m checkpoints_convert SRC DST [...]`."""
+    parser = argparse.ArgumentParser(prog="python -m checkpoints_convert",
+                                     description=DESCRIPTION)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        print(f"checkpoints_convert: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("checkpoints_convert: interrupted; nothing was written", file=sys.stderr)
+        return 130

@@ -273,12 +273,20 @@ def _from_llada(hf, dtype):
     ln = hf.get("layer_norm_type", "rms")
     _fail_if(str(ln).lower() not in ("rms", "rmsnorm", "rms_norm"), problems,
              f"layer_norm_type={ln!r} is not supported (RMSNorm only)")
+    # LLaDA's llama block computes ff_out(act(ff_proj(x)) * up_proj(x)); only act=silu
+    # makes that SwiGLU ("swiglu" would halve ff_proj's output, "sequential" blocks use
+    # fused att_proj / ff_proj tensors).
     act = hf.get("activation_type", "silu")
-    _fail_if(str(act).lower() not in ("silu", "swiglu"), problems,
-             f"activation_type={act!r} is not supported (SwiGLU only)")
+    _fail_if(str(act).lower() != "silu", problems,
+             f"activation_type={act!r} is not supported (silu in a llama block only)")
     block = hf.get("block_type", "llama")
-    _fail_if(str(block).lower() not in ("llama", "sequential"), problems,
-             f"block_type={block!r} is not supported")
+    _fail_if(str(block).lower() != "llama", problems,
+             f"block_type={block!r} is not supported (llama only)")
+    _fail_if(hf.get("layer_norm_with_affine") is False, problems,
+             "layer_norm_with_affine=false is not supported")
+    _fail_if(bool(hf.get("bias_for_layer_norm")), problems,
+             "bias_for_layer_norm=true is not supported")
+    _fail_if(bool(hf.get("input_emb_norm")), problems, "input_emb_norm=true is not supported")
     _fail_if(hf.get("rope_scaling") not in (None, {}), problems, "rope_scaling is not supported")
     _fail_if(bool(hf.get("scale_logits")), problems, "scale_logits=true is not supported")
     if problems:

@@ -1,0 +1,5 @@
+import sys
+
+from checkpoints_convert.cli import main
+
+sys.exit(main())

@@ -1,0 +1,272 @@
+"""Hugging Face LLaDA / Dream snapshot -> asynclane-jax converted folder.
+
+The conversion is planned before it starts (config parsed, every shard header read,
+the whole tensor listing checked against the name table, the LoRA adapter checked
+against the base) so that bad input fails fast and writes nothing. It then streams:
+tensors are read shard by shard, one at a time, merged with their LoRA pair if any,
+transposed and cast into the output dtype, and kept only in that form; peak memory is
+about the output size plus one tensor. Output goes to a temporary folder beside DST
+that is renamed into place at the end, so an interrupted run leaves no DST.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from asynclane_jax import checkpoint
+from asynclane_jax.models.config import ModelConfig, from_hf_config
+from checkpoints_convert import lora as lora_mod
+from checkpoints_convert import reader
+from checkpoints_convert.names import Assignment, ConvertError, path_str, plan
+
+OUTPUT_DTYPES = ("bfloat16", "float32")
+_NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+              "float16": np.dtype(np.float16)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertResult:
+    """What a conversion did (for the one-line summary and for tests)."""
+
+    dst: pathlib.Path
+    cfg: ModelConfig
+    source_kind: str
+    n_shards: int
+    n_tensors: int
+    n_params: int
+    source_bytes: int
+    output_bytes: int
+    lora_tensors: int
+    seconds: float
+
+    def summary(self) -> str:
+        merged = f", {self.lora_tensors} LoRA-merged" if self.lora_tensors else ""
+        return (f"converted {self.cfg.family}: {self.n_tensors} tensors{merged} "
+                f"({self.n_params:,} parameters) from {self.n_shards} {self.source_kind} "
+                f"shard(s), {self.source_bytes / 2**30:.2f} GiB -> {self.dst} "
+                f"({self.cfg.param_dtype}, {self.output_bytes / 2**30:.2f} GiB) "
+                f"in {self.seconds:.1f} s")
+
+
+def to_output(array: np.ndarray, assignment: Assignment, dtype: np.dtype) -> np.ndarray:
+    """Source layout -> parameter layout, C-contiguous, in the output dtype (one copy)."""
+    if assignment.transform == "transpose":
+        array = array.T
+    return np.array(array, dtype=dtype, order="C")
+
+
+def _set(tree: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def params_from_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
+    """In-memory conversion: HF-named numpy arrays -> the model's nested parameter dict.
+
+    Uses the same name table and checks as `convert`; the dict can be loaded with
+    `nnx.replace_by_pure_dict` (layer keys are ints).
+    """
+    assignments = plan(cfg, {n: np.shape(t) for n, t in tensors.items()})
+    dtype = _NP_DTYPES[cfg.param_dtype]
+    params: dict = {}
+    for name, a in assignments.items():
+        _set(params, a.target, to_output(np.asarray(tensors[name]), a, dtype))
+    return params
+
+
+def _check_destination(src: pathlib.Path, dst: pathlib.Path, force: bool) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if s == d or d in s.parents:
+        raise ConvertError(f"output {dst} would overwrite the source {src}; choose another DST")
+    if dst.exists() and not force:
+        raise ConvertError(f"output {dst} already exists; pass --force to replace it")
+    if dst.exists() and not (dst.is_dir() and (dst / checkpoint.CONFIG_FILE).is_file()
+                             or dst.is_dir() and not any(dst.iterdir())):
+        raise ConvertError(f"output {dst} exists and is not a converted model folder; "
+                           "refusing to replace it even with --force")
+
+
+def prepare(src: str, *, dtype: str | None = None, lora: str | None = None,
+            cache_dir: str | None = None):
+    """Resolves and checks everything without reading tensor data.
+
+    Returns:
+      (snapshot, cfg, assignments, adapter or None).
+    Raises:
+      ConvertError / ConfigError naming every problem found.
+    """
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise ConvertError(f"--dtype {dtype}: expected one of {OUTPUT_DTYPES}")
+    folder = reader.resolve_source(src, cache_dir=cache_dir)
+    snap = reader.open_snapshot(folder)
+    out_dtype = dtype or snap.float_dtype()
+    if out_dtype not in _NP_DTYPES:
+        out_dtype = "float32"
+    cfg = from_hf_config(snap.hf_config, dtype=out_dtype)
+    adapter = lora_mod.load_adapter(lora) if lora else None
+    shapes = {n: t.shape for n, t in snap.tensors.items()}
+    lora_problems = lora_mod.check_against(adapter, shapes) if adapter else []
+    try:
+        assignments = plan(cfg, shapes, duplicates=snap.duplicates)
+    except ConvertError as e:
+        extra = ("; " + "; ".join(lora_problems)) if lora_problems else ""
+        raise ConvertError(f"{e}{extra}; nothing was written") from None
+    if lora_problems:
+        raise ConvertError("the LoRA adapter does not fit the checkpoint: "
+                           + "; ".join(lora_problems[:8]) + "; nothing was written")
+    return snap, cfg, assignments, adapter
+
+
+def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
+            lora: str | None = None, force: bool = False, progress: bool = True,
+            cache_dir: str | None = None,
+            on_tensor: Callable[[str], None] | None = None) -> ConvertResult:
+    """Converts a Hugging Face LLaDA / Dream snapshot into a converted folder.
+
+    Args:
+      src: a local snapshot folder, or a hub id present in the local HF cache.
+      dst: the output folder; must not exist unless `force`.
+      dtype: output parameter dtype ("bfloat16" or "float32"); default: the source
+        tensors' dtype.
+      lora: a PEFT LoRA adapter folder to merge into the weights.
+      force: replace an existing converted folder at `dst`.
+      progress: show a tqdm bar (bytes of tensors done / total) on stderr.
+      cache_dir: Hugging Face cache to look hub ids up in (default: the usual one).
+      on_tensor: called with each source name after it is converted (tests use it to
+        interrupt a conversion midway).
+    Returns:
+      A ConvertResult.
+    """
+    t0 = time.perf_counter()
+    dst = pathlib.Path(dst).expanduser().absolute()
+    src_path = pathlib.Path(src).expanduser()
+    if src_path.exists():
+        _check_destination(src_path, dst, force)
+    elif dst.exists() and not force:
+        raise ConvertError(f"output {dst} already exists; pass --force to replace it")
+    snap, cfg, assignments, adapter = prepare(src, dtype=dtype, lora=lora, cache_dir=cache_dir)
+    _check_destination(snap.folder, dst, force)
+    out_dtype = _NP_DTYPES[cfg.param_dtype]
+    total = sum(snap.tensors[n].nbytes for n in assignments)
+
+    from tqdm import tqdm
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
+        params: dict = {}
+        n_params = out_bytes = merged = 0
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
+                  file=sys.stderr, disable=not progress, leave=False) as bar:
+            for info, array in snap.iter_tensors(assignments):
+                a = assignments[info.name]
+                if adapter is not None and info.name in adapter.pairs:
+                    array = adapter.merge(info.name, array)
+                    merged += 1
+                out = to_output(array, a, out_dtype)
+                del array
+                if out.shape != a.shape:  # plan() checked; guards a reader bug
+                    raise ConvertError(f"{info.name} -> {path_str(a.target)}: shape {out.shape}")
+                _set(params, a.target, out)
+                n_params += out.size
+                out_bytes += out.nbytes
+                bar.update(info.nbytes)
+                if on_tensor is not None:
+                    on_tensor(info.name)
+        extra = {"converted_from": {
+            "source": str(src), "format": snap.kind, "shards": [p.name for p in snap.shards],
+            "tensors": len(assignments), "source_dtype": snap.float_dtype(),
+            "lora": adapter.summary() if adapter else None,
+            "lora_config": adapter.config if adapter else None}}
+        checkpoint.write_config(tmp, cfg, snap.hf_config, extra)
+        save_params_in_place(tmp / checkpoint.PARAMS_DIR, params)
+        del params
+        copy_tokenizer(snap.folder, tmp, cfg.family)
+        _install(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertResult(dst, cfg, snap.kind, len(snap.shards), len(assignments), n_params,
+                         total, out_bytes, merged, time.perf_counter() - t0)
+
+
+def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path, family: str) -> list[str]:
+    """Copies the tokenizer files; builds tokenizer.json when a snapshot lacks one.
+
+    Dream snapshots ship a slow Qwen2 tokenizer (vocab.json, merges.txt and a remote-code
+    tokenization_dream.py) without tokenizer.json, which is what `asynclane_jax.load`
+    reads. transformers' own Qwen2Tokenizer builds the same byte-level BPE from those
+    files (plus the added tokens in tokenizer_config.json) without running remote code.
+    """
+    copied = checkpoint.copy_tokenizer_files(src, dst)
+    if ("tokenizer.json" in copied or family != "dream"
+            or not ((src / "vocab.json").is_file() and (src / "merges.txt").is_file())):
+        return copied
+    try:
+        from transformers import Qwen2Tokenizer
+
+        tok = Qwen2Tokenizer.from_pretrained(str(src), local_files_only=True)
+        declared = json.loads((src / "tokenizer_config.json").read_text()).get(
+            "added_tokens_decoder", {}) if (src / "tokenizer_config.json").is_file() else {}
+        wrong = [f"{t['content']}={i}" for i, t in declared.items()
+                 if tok.convert_tokens_to_ids(t["content"]) != int(i)]
+        if wrong:
+            raise ValueError(f"added tokens would get other ids than declared: {wrong[:4]}")
+        tok.backend_tokenizer.save(str(dst / "tokenizer.json"))
+        copied.append("tokenizer.json")
+    except Exception as e:  # the weights are still usable; say why there is no tokenizer
+        print(f"warning: could not build tokenizer.json from vocab.json + merges.txt "
+              f"({type(e).__name__}: {e}); the converted folder has no tokenizer",
+              file=sys.stderr)
+    return copied
+
+
+def save_params_in_place(params_dir: pathlib.Path, params: dict) -> None:
+    """Writes the nested dict as the orbax checkpoint `checkpoint.load` reads, no copies.
+
+    orbax's defaults deep-copy host arrays before an (unneeded here) asynchronous write
+    and zstd-compress every array in memory; either doubles the peak for a model-sized
+    dict. The write here is synchronous, so the arrays are written in place; bf16
+    weights barely compress anyway.
+    """
+    import jax
+    import orbax.checkpoint as ocp
+
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
+                                          use_compression=False)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(params_dir.absolute(), args=ocp.args.PyTreeSave(checkpoint._str_keys(params)))
+
+
+def _install(tmp: pathlib.Path, dst: pathlib.Path) -> None:
+    """Renames the finished temporary folder to dst, replacing an old dst last."""
+    if not dst.exists():
+        os.replace(tmp, dst)
+        return
+    old = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.replace(dst, old / "x")
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        os.replace(old / "x", dst)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,158 @@
+"""Merging a PEFT LoRA adapter into the base weights while they stream past.
+
+A PEFT adapter folder holds adapter_config.json (r, lora_alpha, target_modules, ...) and
+adapter_model.safetensors (or .bin) with keys such as
+`base_model.model.model.transformer.blocks.3.q_proj.lora_A.weight` [r, in] and
+`...lora_B.weight` [out, r]. The merged weight is W + s * B @ A with s = alpha / r
+(alpha / sqrt(r) under rsLoRA), computed in float32 and cast once to the output dtype.
+This is how the published D2F students (LoRA adapters over LLaDA / Dream) are run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from checkpoints_convert import reader
+from checkpoints_convert.names import ConvertError
+
+_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraPair:
+    base: str  # the base tensor the pair updates, e.g. model.layers.0.self_attn.q_proj.weight
+    a: reader.TensorInfo  # [r, in]
+    b: reader.TensorInfo  # [out, r]
+    scale: float
+
+
+@dataclasses.dataclass
+class LoraAdapter:
+    folder: pathlib.Path
+    config: dict
+    pairs: dict[str, LoraPair]  # base tensor name -> pair
+    kind: str  # "safetensors" or "bin"
+
+    def delta(self, base: str) -> np.ndarray:
+        """s * B @ A in float32, shaped like the base weight [out, in]."""
+        pair = self.pairs[base]
+        a, b = self._read(pair.a), self._read(pair.b)
+        return np.float32(pair.scale) * (b.astype(np.float32) @ a.astype(np.float32))
+
+    def merge(self, base: str, weight: np.ndarray) -> np.ndarray:
+        """The merged weight in float32."""
+        return weight.astype(np.float32) + self.delta(base)
+
+    def _read(self, info: reader.TensorInfo) -> np.ndarray:
+        if self.kind == "safetensors":
+            with open(info.shard, "rb") as f:
+                return reader._read_at(f, info)
+        return reader.torch_to_numpy(reader._torch_load(info.shard)[info.name])
+
+    def summary(self) -> dict:
+        c = self.config
+        return {"path": str(self.folder), "r": c.get("r"), "lora_alpha": c.get("lora_alpha"),
+                "use_rslora": bool(c.get("use_rslora")), "merged_tensors": len(self.pairs),
+                "base_model_name_or_path": c.get("base_model_name_or_path")}
+
+
+def _pattern_value(patterns: Mapping[str, float] | None, module: str, default):
+    # PEFT keys rank_pattern / alpha_pattern by a module-name suffix (or regex).
+    for key, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return value
+    return default
+
+
+def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
+    """Reads and validates a PEFT LoRA adapter folder (tensor data is read later).
+
+    Raises:
+      ConvertError for a missing folder or file, an unsupported adapter variant (DoRA,
+      trained biases, modules_to_save, non-LoRA PEFT types), or unpaired tensors.
+    """
+    folder = pathlib.Path(folder).expanduser()
+    if not folder.is_dir():
+        raise ConvertError(f"LoRA adapter folder {folder} does not exist")
+    cfg_path = folder / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise ConvertError(f"no adapter_config.json in {folder}; expected a PEFT LoRA adapter")
+    try:
+        config = json.loads(cfg_path.read_text())
+        assert isinstance(config, dict)
+    except Exception:
+        raise ConvertError(f"{cfg_path} is not a valid JSON object") from None
+    problems = []
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        problems.append(f"peft_type={config.get('peft_type')!r} (only LORA is supported)")
+    if config.get("use_dora"):
+        problems.append("use_dora=true (DoRA is not supported)")
+    if config.get("fan_in_fan_out"):
+        problems.append("fan_in_fan_out=true (Conv1D-style layers are not supported)")
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias={config.get('bias')!r} (only 'none' is supported)")
+    if config.get("modules_to_save"):
+        problems.append(f"modules_to_save={config.get('modules_to_save')} (fully trained "
+                        "extra modules are not supported)")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)):
+        problems.append(f"r={r!r}, lora_alpha={alpha!r} (need a positive integer r and a "
+                        "numeric lora_alpha)")
+    if problems:
+        raise ConvertError(f"unsupported LoRA adapter {folder}: " + "; ".join(problems))
+
+    if (folder / "adapter_model.safetensors").is_file():
+        kind, path = "safetensors", folder / "adapter_model.safetensors"
+        infos = reader.read_safetensors_header(path)
+    elif (folder / "adapter_model.bin").is_file():
+        kind, path = "bin", folder / "adapter_model.bin"
+        infos = reader._bin_listing(path)
+    else:
+        raise ConvertError(f"no adapter_model.safetensors or adapter_model.bin in {folder}")
+
+    halves: dict[str, dict[str, reader.TensorInfo]] = {}
+    unknown = []
+    for info in infos:
+        m = _KEY.fullmatch(info.name)
+        if m is None:
+            unknown.append(info.name)
+            continue
+        halves.setdefault(m["module"], {})[m["ab"]] = info
+    unpaired = sorted(mod for mod, h in halves.items() if set(h) != {"A", "B"})
+    if unknown or unpaired:
+        raise ConvertError(
+            f"LoRA adapter {folder}: " + "; ".join(filter(None, [
+                unknown and f"{len(unknown)} tensors that are not lora_A/lora_B weights "
+                            f"({', '.join(unknown[:6])})",
+                unpaired and f"{len(unpaired)} modules lacking lora_A or lora_B "
+                             f"({', '.join(unpaired[:6])})"])))
+    pairs = {}
+    for module, h in halves.items():
+        rank = _pattern_value(config.get("rank_pattern"), module, r)
+        a_alpha = _pattern_value(config.get("alpha_pattern"), module, alpha)
+        scale = a_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        pairs[f"{module}.weight"] = LoraPair(f"{module}.weight", h["A"], h["B"], float(scale))
+    return LoraAdapter(folder, config, pairs, kind)
+
+
+def check_against(adapter: LoraAdapter, base_shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """Problems between the adapter and the base checkpoint (all of them, not the first)."""
+    problems = []
+    for base, pair in sorted(adapter.pairs.items()):
+        if base not in base_shapes:
+            problems.append(f"LoRA pair for {base}, which the base checkpoint does not have")
+            continue
+        shape = tuple(base_shapes[base])
+        rank = pair.a.shape[0] if len(pair.a.shape) == 2 else -1
+        if (len(shape) != 2 or len(pair.a.shape) != 2 or len(pair.b.shape) != 2
+                or pair.b.shape != (shape[0], rank) or pair.a.shape != (rank, shape[1])):
+            problems.append(f"LoRA shapes for {base}: A {list(pair.a.shape)}, B "
+                            f"{list(pair.b.shape)} do not fit the weight {list(shape)}")
+    return problems

@@ -1,0 +1,310 @@
+"""Reading Hugging Face snapshots lazily: config, tensor listing, one tensor at a time.
+
+Safetensors files are parsed by hand (8-byte little-endian header length, JSON header,
+raw little-endian data) so that bfloat16 tensors, which are what real LLaDA / Dream
+checkpoints hold, come out as numpy arrays (ml_dtypes.bfloat16) without torch, and so
+that a truncated or corrupt shard is detected from its header before any work is done.
+`.bin` shards are read with `torch.load(weights_only=True)`: never arbitrary unpickling.
+
+Nothing here executes code from the snapshot; `auto_map` entries of config.json are
+kept as data only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+import struct
+from collections.abc import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from checkpoints_convert.names import ConvertError
+
+# safetensors dtype tag -> numpy dtype.
+_ST_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
+_MAX_HEADER = 100 * 2**20  # a header larger than this is corrupt, not big
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one source tensor lives and what it looks like (no data)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    shard: pathlib.Path
+    offset: int | None = None  # absolute byte offset of the data (safetensors only)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A local Hugging Face model folder, listed but not loaded."""
+
+    folder: pathlib.Path
+    hf_config: dict
+    kind: str  # "safetensors" or "bin"
+    shards: list[pathlib.Path]
+    tensors: dict[str, TensorInfo]
+    duplicates: list[str]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def float_dtype(self) -> str | None:
+        """The one floating dtype all weight tensors share, if any ("bfloat16", ...)."""
+        kinds = {str(t.dtype) for t in self.tensors.values() if str(t.dtype) in _FLOATS}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def iter_tensors(self, names=None) -> Iterator[tuple[TensorInfo, np.ndarray]]:
+        """Yields (info, array) shard by shard, one tensor in memory at a time."""
+        wanted = set(self.tensors if names is None else names)
+        for shard in self.shards:
+            infos = [t for t in self.tensors.values() if t.shard == shard and t.name in wanted]
+            if not infos:
+                continue
+            if self.kind == "safetensors":
+                with open(shard, "rb") as f:
+                    for info in sorted(infos, key=lambda t: t.offset):
+                        yield info, _read_at(f, info)
+            else:
+                state = _torch_load(shard)
+                for info in infos:
+                    yield info, torch_to_numpy(state.pop(info.name))
+                del state
+
+
+# --------------------------------------------------------------------------- locating
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def resolve_source(src: str, *, cache_dir: str | None = None) -> pathlib.Path:
+    """A local snapshot folder, or a hub id already present in the local HF cache.
+
+    This never downloads: the machine may have no hub access.
+    """
+    path = pathlib.Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConvertError(f"source {src} is a file; expected a snapshot folder with "
+                               "config.json and weights")
+        return path
+    if _HUB_ID.fullmatch(src):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return pathlib.Path(snapshot_download(src, local_files_only=True,
+                                                  cache_dir=cache_dir))
+        except ImportError:
+            pass
+        except Exception:  # LocalEntryNotFoundError and friends: not cached
+            raise ConvertError(
+                f"no folder {src}, and the hub repository {src!r} is not in the local "
+                "Hugging Face cache; this converter never downloads: fetch it with "
+                f"`huggingface-cli download {src}` where the hub is reachable, then pass "
+                "the snapshot folder") from None
+    raise ConvertError(f"source folder {src} does not exist")
+
+
+def read_hf_config(folder: pathlib.Path) -> dict:
+    """The snapshot's config.json as data (auto_map and all; nothing is executed)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"no config.json in {folder}; expected a Hugging Face snapshot "
+                           "folder (config.json plus *.safetensors or pytorch_model*.bin)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path} does not hold a JSON object")
+    return data
+
+
+def open_snapshot(folder: pathlib.Path) -> Snapshot:
+    """Lists the snapshot's tensors from shard headers (no tensor data is read).
+
+    Raises:
+      ConvertError for missing weights, an index naming a missing shard, tensors the
+      index and the shards disagree about, and truncated or corrupt shards.
+    """
+    hf_config = read_hf_config(folder)
+    kind, shards, index = _find_weights(folder)
+    tensors: dict[str, TensorInfo] = {}
+    duplicates: list[str] = []
+    for shard in shards:
+        infos = (read_safetensors_header(shard) if kind == "safetensors"
+                 else _bin_listing(shard))
+        for info in infos:
+            if info.name in tensors:
+                duplicates.append(f"{info.name} (in {tensors[info.name].shard.name} and "
+                                  f"{shard.name})")
+            else:
+                tensors[info.name] = info
+    if index is not None:
+        problems = []
+        for name, shard_name in index.items():
+            info = tensors.get(name)
+            if info is None:
+                problems.append(f"{name} (index says {shard_name})")
+            elif info.shard.name != shard_name:
+                problems.append(f"{name} (index says {shard_name}, found in {info.shard.name})")
+        extra = sorted(set(tensors) - set(index))
+        if problems:
+            raise ConvertError(f"the weight index and the shards disagree: {len(problems)} "
+                               f"tensors not where the index says: {', '.join(problems[:8])}")
+        if extra:
+            raise ConvertError(f"the shards hold {len(extra)} tensors the weight index does "
+                               f"not list: {', '.join(extra[:8])}")
+    return Snapshot(folder, hf_config, kind, shards, tensors, duplicates)
+
+
+def _find_weights(folder: pathlib.Path):
+    for kind, index_name, single, glob in (
+            ("safetensors", "model.safetensors.index.json", "model.safetensors", "*.safetensors"),
+            ("bin", "pytorch_model.bin.index.json", "pytorch_model.bin", "pytorch_model*.bin")):
+        index_path = folder / index_name
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+                assert isinstance(weight_map, dict)
+            except Exception:
+                raise ConvertError(f"{index_path} is not a valid weight index (expected JSON "
+                                   "with a 'weight_map' object)") from None
+            names = sorted(set(weight_map.values()))
+            missing = [n for n in names if not (folder / n).is_file()]
+            if missing:
+                raise ConvertError(f"{index_name} names shard(s) missing from {folder}: "
+                                   f"{', '.join(missing)}")
+            return kind, [folder / n for n in names], weight_map
+        if (folder / single).is_file():
+            return kind, [folder / single], None
+        found = sorted(p for p in folder.glob(glob)
+                       if p.is_file() and not p.name.startswith("adapter_model"))
+        if found:
+            return kind, found, None
+    raise ConvertError(f"no weights in {folder}: expected model.safetensors, sharded "
+                       "*.safetensors with model.safetensors.index.json, or pytorch_model*.bin")
+
+
+# --------------------------------------------------------------------------- safetensors
+
+def read_safetensors_header(path: pathlib.Path) -> list[TensorInfo]:
+    """Parses and validates a safetensors header against the file's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConvertError(f"shard {path.name} is truncated or corrupt: {size} bytes, "
+                               "too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, _MAX_HEADER):
+            raise ConvertError(f"shard {path.name} is truncated or corrupt: header length "
+                               f"{n} does not fit in a {size}-byte file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        assert isinstance(header, dict)
+    except Exception:
+        raise ConvertError(f"shard {path.name} is corrupt: its header is not valid JSON") from None
+    data_start = 8 + n
+    infos, end_max = [], 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_tag, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+            shape = tuple(int(s) for s in shape)
+        except Exception:
+            raise ConvertError(
+                f"shard {path.name} is corrupt: bad header entry for {name}") from None
+        if dtype_tag not in _ST_DTYPES:
+            raise ConvertError(f"shard {path.name}: tensor {name} has dtype {dtype_tag}, which "
+                               f"this converter does not read (supported: {sorted(_ST_DTYPES)})")
+        info = TensorInfo(name, shape, _ST_DTYPES[dtype_tag], path, data_start + int(begin))
+        if int(end) - int(begin) != info.nbytes or begin < 0:
+            raise ConvertError(f"shard {path.name} is corrupt: tensor {name} spans "
+                               f"{int(end) - int(begin)} bytes, its shape needs {info.nbytes}")
+        end_max = max(end_max, int(end))
+        infos.append(info)
+    if data_start + end_max > size:
+        raise ConvertError(f"shard {path.name} is truncated: its header describes "
+                           f"{data_start + end_max} bytes, the file has {size}")
+    return infos
+
+
+def _read_at(f, info: TensorInfo) -> np.ndarray:
+    out = np.empty(info.shape, info.dtype)
+    f.seek(info.offset)
+    got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+    if got != info.nbytes:
+        raise ConvertError(f"shard {info.shard.name} is truncated: {info.name} is short by "
+                           f"{info.nbytes - got} bytes")
+    return out
+
+
+# --------------------------------------------------------------------------- torch .bin
+
+def _torch_load(path: pathlib.Path) -> dict:
+    try:
+        import torch
+    except ImportError:
+        raise ConvertError(f"{path.name} is a PyTorch pickle; reading it needs torch "
+                           "(pip install torch), or convert a safetensors snapshot") from None
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # legacy (non-zip) files cannot be memory-mapped
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConvertError(f"cannot read shard {path.name} (truncated, corrupt, or holding "
+                           f"objects other than tensors): {first[:200]}") from None
+    if not isinstance(state, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ConvertError(f"shard {path.name} is not a flat dict of named tensors")
+    return state
+
+
+def _bin_listing(path: pathlib.Path) -> list[TensorInfo]:
+    state = _torch_load(path)
+    out = [TensorInfo(name, tuple(t.shape), torch_dtype_to_numpy(t.dtype), path)
+           for name, t in state.items()]
+    del state
+    return out
+
+
+def torch_dtype_to_numpy(dtype) -> np.dtype:
+    import torch
+
+    if dtype == torch.bfloat16:
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(torch.empty((), dtype=dtype).numpy().dtype)
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    """A CPU tensor as a numpy array (bfloat16 becomes ml_dtypes.bfloat16), copied."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return t.numpy().copy()
