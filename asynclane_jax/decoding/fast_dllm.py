@@ -2,9 +2,10 @@
 K/V caching chosen by the policy's `cache` field (the loop implements the caches).
 
 Threshold rule: commit every masked position of the block whose confidence is at least
-`threshold`, and always the most confident one. Factor rule: with confidences sorted
-c(1) >= c(2) >= ..., commit the leading run that satisfies c(n) >= 1 - factor / (n + 1)
-(the first always). `steps` does not exist: a block loops until it has no masks.
+`threshold`, and always the most confident one. Factor rule: with the N masked
+confidences sorted c(1) >= c(2) >= ..., commit the leading run that satisfies
+c(n) >= 1 - factor / (n + 1) (the first always; all N when only c(N) fails, as the
+public code does). `steps` does not exist: a block loops until it has no masks.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class FastDllmPolicy(BlockPolicy):
     """
 
     name = "fast-dllm"
+    shift_commits_block_start = True
     threshold: float = 0.9
     factor: float | None = None
 
@@ -50,9 +52,11 @@ class FastDllmPolicy(BlockPolicy):
             # Threshold for the n-th most confident (n = rank + 1): 1 - f / (n + 1).
             th = 1.0 - self.factor / (rank.astype(jnp.float32) + 2.0)
             passes = (conf >= th) | (rank == 0)
-            # Leading run in rank order: position of rank r commits iff every rank <= r
-            # passes, i.e. r < the lowest rank that fails.
-            fail_rank = jnp.where(masked & ~passes, rank, conf.shape[-1])
-            k = jnp.min(fail_rank, axis=-1)
+            # Leading run in rank order: k = the lowest failing rank. As in the public
+            # get_transfer_index_dynamic, when no rank fails or only the last one (of
+            # the N masked) does, all N commit.
+            n = jnp.sum(masked, axis=-1)
+            fail_rank = jnp.min(jnp.where(masked & ~passes, rank, conf.shape[-1]), axis=-1)
+            k = jnp.where(fail_rank >= n - 1, n, fail_rank)
             commit = masked & (rank < k[:, None])
         return commit, x0, pstate

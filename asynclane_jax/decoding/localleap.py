@@ -21,6 +21,7 @@ from asynclane_jax.decoding.policy import BlockPolicy, SamplerError, greedy_conf
 @dataclasses.dataclass(frozen=True)
 class LocalLeapPolicy(BlockPolicy):
     name = "localleap"
+    shift_commits_block_start = True
     threshold: float = 0.9
     relaxed_threshold: float = 0.75
     radius: int = 4

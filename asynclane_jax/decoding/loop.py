@@ -13,9 +13,14 @@ Every sampler is a policy (policy.py). One iteration:
      block it is finished and never changes again.
 
 Index conventions: the canvas is [b, T] with T = P + G; generated position j of every
-row is canvas column P + j; block i covers generated positions [i*B, (i+1)*B). With
-Dream's logit shift (s = 1) the logits for column c come from the output at c - 1, so a
-cached call queries columns [P + i*B - 1, ...).
+row is canvas column P + j; block i covers generated positions [i*B, (i+1)*B).
+
+Dream's logit shift (the logits for column c come from the output at c - 1) follows
+Fast-dLLM's Dream block decoding (generation_utils_block.py): a full forward reads the
+output at c - 1 for every block column; a cached call queries the same window as for
+LLaDA ([s, s + B) dual, [s, T) prefix) and shifts inside it, so column s would read its
+own output; that is harmless because for policies with `shift_commits_block_start` the
+block-start step (always a full forward's logits) commits exactly column s, by argmax.
 """
 
 from __future__ import annotations
@@ -93,11 +98,9 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
     use_cache = policy.cache != "none"
     mask_id = cfg.mask_token_id
 
-    # Cached-call query window, per row: Q columns starting at the block start - shift.
-    if policy.cache == "dual":
-        Q = B + shift
-    else:  # prefix: everything from the block start to the end of the canvas
-        Q = G + shift
+    # Cached-call query window, per row: Q columns starting at the block start.
+    Q = B if policy.cache == "dual" else G  # prefix: the block start to the canvas end
+    block_start_rule = bool(shift) and policy.shift_commits_block_start
 
     state = DecodeState(
         canvas=canvas,
@@ -133,7 +136,7 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
         return logits, st
 
     def partial_call(st, serve):
-        start = P + jnp.minimum(st.block, policy.num_blocks - 1) * B - shift  # [b]
+        start = P + jnp.minimum(st.block, policy.num_blocks - 1) * B  # [b]
         write_index = start[:, None] + jnp.arange(Q, dtype=jnp.int32)[None, :]  # [b, Q]
         valid = write_index < T
         write_index = jnp.where(valid, write_index, T)  # T: dropped by the scatter
@@ -146,6 +149,8 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
         st = st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
                         tokens_processed=st.tokens_processed + n_valid.astype(jnp.int32),
                         row_partial=st.row_partial + serve)
+        if shift:  # shift inside the window; column s reads its own output (unused)
+            logits = jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
         return logits[:, :B], st
 
     def body(st: DecodeState) -> DecodeState:
@@ -169,6 +174,11 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
         key = jax.random.fold_in(st.rng, st.step)
         commit, x0, pstate = policy.select(logits, masked, st.step_in_block, key,
                                            st.policy_state)
+        if block_start_rule:
+            at_start = (st.step_in_block == 0)[:, None]
+            first_col = jnp.arange(B)[None, :] == 0
+            x0 = jnp.where(at_start & first_col, jnp.argmax(logits, -1).astype(x0.dtype), x0)
+            commit = jnp.where(at_start, first_col, commit)
         commit = commit & masked
         new_blk = jnp.where(commit, x0, blk_tokens)
         canvas = st.canvas.at[_rows(b), cols_blk].set(new_blk)

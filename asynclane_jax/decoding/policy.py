@@ -36,6 +36,9 @@ class BlockPolicy:
     """
 
     name: ClassVar[str] = "block"
+    # With a logit-shifted model (Dream), the block-start step commits exactly the
+    # block's first column by argmax (Fast-dLLM's Dream block decoding); see loop.py.
+    shift_commits_block_start: ClassVar[bool] = False
     gen_length: int
     block_length: int
     cache: str = "none"
