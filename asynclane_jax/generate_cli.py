@@ -56,12 +56,9 @@ def _cmd_generate(args) -> int:
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UsageError("--chat: this tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
     if not ids:
         raise UsageError("the prompt is empty after tokenization")
     res = asynclane_jax.generate(model, [list(ids)], sampler=sampler, gen_length=gen_length,

@@ -1,0 +1,76 @@
+"""The generate / eval / info commands on a small saved model with a real tokenizer."""
+
+import json
+
+import pytest
+
+from asynclane_jax import checkpoint
+from asynclane_jax.cli import main
+from asynclane_jax.models import init_model, tiny_llada
+from asynclane_jax.testbed import tokenizer as tb_tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    tok_dir = tb_tok.save_tokenizer(root / "tok")
+    cfg = tiny_llada(tb_tok.vocab_size()).replace(**tb_tok.special_ids())
+    return checkpoint.save(root / "model", init_model(cfg, 0), tokenizer_dir=tok_dir)
+
+
+def test_generate_json(model_dir, capsys):
+    rc = main(["generate", "ann has 7 coins .", "--model", str(model_dir), "--chat",
+               "--sampler", "fast-dllm", "--cache", "dual", "--gen-length", "16",
+               "--block-length", "8", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "tokens", "stats"}
+    assert len(out["tokens"]) == 16
+    assert out["stats"]["nfe_full"] == 2  # one refresh per block
+    assert out["stats"]["nfe_partial"] == out["stats"]["steps"] - 2
+    assert isinstance(out["text"], str)
+
+
+def test_generate_plain_text(model_dir, capsys):
+    rc = main(["generate", "ann has 7 coins .", "--model", str(model_dir), "--sampler",
+               "vanilla", "--gen-length", "16", "--block-length", "8", "--steps", "8"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "vanilla: " in captured.err and "8 steps" in captured.err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--sampler", "nope"], "unknown sampler 'nope'"),
+    (["--sampler", "fast-dllm", "--threshold", "2"], "threshold=2.0 must be in (0, 1]"),
+    (["--sampler", "vanilla", "--cache", "dual"], "cache must be 'none'"),
+    (["--gen-length", "20", "--block-length", "8"], "not a multiple of block_length"),
+])
+def test_generate_bad_options_one_line(model_dir, capsys, argv, needle):
+    rc = main(["generate", "ann has 7 coins .", "--model", str(model_dir), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_missing_model_is_one_line(tmp_path, capsys):
+    rc = main(["generate", "hi", "--model", str(tmp_path / "nowhere")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no model" in err and err.count("\n") == 1
+
+
+def test_eval_json(model_dir, capsys):
+    rc = main(["eval", "--model", str(model_dir), "--sampler", "fast-dllm", "--n", "4",
+               "--gen-length", "16", "--block-length", "8", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 4 and 0.0 <= out["accuracy"] <= 1.0
+    assert out["nfe_per_token"] > 0 and out["tps"] > 0
+
+
+def test_info_on_a_converted_folder(model_dir, capsys):
+    assert main(["info", "--model", str(model_dir), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == sum(
+        v.size for v in __import__("jax").tree.leaves(checkpoint.params_to_numpy(
+            checkpoint.load_model(model_dir))))
