@@ -1,0 +1,152 @@
+"""Held-out exact-match evaluation of a model on the testbed tasks.
+
+  python -m asynclane_jax.testbed.evaluate tiny-llada --sampler vanilla --gen-length 256 \\
+      --n 500 --out results.json
+
+Decoding goes through `asynclane_jax.decoding.generate`, the same loop every benchmark
+uses; this module only builds prompts, checks answers and aggregates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from asynclane_jax.testbed import tasks
+from asynclane_jax.testbed import tokenizer as tok
+from asynclane_jax.testbed.tasks import check, line_accuracy
+
+__all__ = ["evaluate", "check", "line_accuracy", "prompts_for"]
+
+
+def prompts_for(problems, tokenizer=None) -> list[list[int]]:
+    """Chat-formatted prompt ids; through the HF tokenizer when one is given."""
+    if tokenizer is None:
+        return [tok.prompt_ids(p.prompt) for p in problems]
+    return [tokenizer.encode(f"{tok.USER} {p.prompt} {tok.ASSISTANT}", add_special_tokens=False)
+            for p in problems]
+
+
+def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int = 256,
+             n: int = 500, split: str = "heldout", batch_size: int = 50,
+             block_length: int | None = None, progress: bool = False, on_batch=None,
+             **sampler_options) -> dict:
+    """Exact-match accuracy of the final answer on n problems of a split.
+
+    Args:
+      model: a DiffusionLM trained on the testbed vocabulary (e.g. load("tiny-llada")[0]).
+      tokenizer: the model's tokenizer, or None for the built-in encoder (same ids).
+      sampler: a sampler name of `asynclane_jax.decoding.generate`.
+      gen_length: tokens generated per problem.
+      n: number of problems (the first n of the split; families alternate).
+      split: "heldout" (never trained on) or "train".
+      batch_size: prompts per generate call.
+      block_length: passed to generate (None: the sampler's default).
+      progress: show a tqdm bar.
+      on_batch: optional callback(partial_result_dict) after each batch.
+      **sampler_options: the sampler's options (steps, threshold, ...).
+    Returns:
+      {"accuracy", "n", "correct", "accuracy_<family>", "line_accuracy", "tps",
+       "nfe_per_token", "nfe_per_row", "wall_s", "sampler", "gen_length", ...}.
+      tps: generated tokens (before the first EOS) per second of decoding wall time;
+      nfe_per_token: model calls per generated token (a row's calls over its tokens
+      before EOS); nfe_per_row: model calls per problem.
+    """
+    from asynclane_jax.decoding import generate
+
+    problems = tasks.split(split, n)
+    prompts = prompts_for(problems, tokenizer)
+    bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
+    ok: list[bool] = []
+    lines_right = lines_total = 0
+    gen_tokens = row_nfe = 0
+    wall = wall_compiled = 0.0
+    batches = range(0, n, batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, unit="batch")
+    result: dict = {}
+    for start in batches:
+        chunk = problems[start:start + batch_size]
+        res = generate(model, prompts[start:start + batch_size], sampler=sampler,
+                       gen_length=gen_length, block_length=block_length, bucket=bucket,
+                       **sampler_options)
+        st = res.stats
+        wall += st["wall_time"]
+        if st.get("compiled"):
+            wall_compiled += st["wall_time"]
+        gen_tokens += int(np.sum(st["generated_tokens"]))
+        row_nfe += int(np.sum(np.asarray(st["row_nfe_full"]) + np.asarray(st["row_nfe_partial"])))
+        for p, row in zip(chunk, res.tokens):
+            ok.append(check(p, row))
+            r, t = line_accuracy(p, row)
+            lines_right += r
+            lines_total += t
+        done = len(ok)
+        timed = wall - wall_compiled
+        result = {
+            "sampler": sampler, "gen_length": gen_length, "block_length": block_length,
+            "options": sampler_options, "split": split, "n": done,
+            "correct": int(sum(ok)), "accuracy": float(np.mean(ok)),
+            "line_accuracy": lines_right / max(1, lines_total),
+            "tps": gen_tokens / wall if wall else 0.0,
+            "tps_excluding_compile": (gen_tokens / timed) if timed > 0 else None,
+            "nfe_per_token": row_nfe / max(1, gen_tokens),
+            "nfe_per_row": row_nfe / max(1, done),
+            "generated_tokens_per_row": gen_tokens / max(1, done),
+            "wall_s": wall,
+        }
+        for fam in tasks.FAMILIES:
+            sel = [o for o, p in zip(ok, problems[:done]) if p.family == fam]
+            if sel:
+                result[f"accuracy_{fam}"] = float(np.mean(sel))
+                result[f"n_{fam}"] = len(sel)
+        if on_batch is not None:
+            on_batch(result)
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Held-out accuracy on the testbed tasks.")
+    ap.add_argument("model", help="shipped model name (tiny-llada, tiny-dream) or folder")
+    ap.add_argument("--sampler", default="vanilla")
+    ap.add_argument("--gen-length", type=int, default=256)
+    ap.add_argument("--block-length", type=int, default=None)
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--batch-size", type=int, default=50)
+    ap.add_argument("--split", default="heldout")
+    ap.add_argument("--option", action="append", default=[],
+                    help="sampler option KEY=VALUE (repeatable), e.g. threshold=0.9")
+    ap.add_argument("--out", default=None, help="write the result JSON here (after each batch)")
+    args = ap.parse_args(argv)
+
+    from asynclane_jax import load
+
+    options = {}
+    for kv in args.option:
+        key, _, value = kv.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    model, tokenizer, _ = load(args.model)
+    t0 = time.time()
+
+    def write(res):
+        res = dict(res, model=args.model, elapsed_s=round(time.time() - t0, 1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        print(json.dumps(res), flush=True)
+
+    write(evaluate(model, tokenizer, sampler=args.sampler, gen_length=args.gen_length, n=args.n,
+                   split=args.split, batch_size=args.batch_size,
+                   block_length=args.block_length, on_batch=write, **options))
+
+
+if __name__ == "__main__":
+    main()

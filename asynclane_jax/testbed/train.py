@@ -1,0 +1,402 @@
+"""Masked-diffusion training of the tiny testbed models (optax + orbax).
+
+Objective (LLaDA, Nie et al. 2025, Eq. 5 / the SFT variant of its appendix): per row draw
+t ~ U(eps, 1], mask each response token with probability t, and minimise
+sum over masked positions of CE / t, divided by the number of response tokens. The
+prompt is never masked. The response region is the answer followed by end-of-text up to
+the end of the canvas — as LLaDA-Instruct is trained — so the model learns where to stop
+and to fill the tail with EOS.
+
+Dream variant (`logit_shift=True` in the model config): the token at position i is
+predicted from the output at i - 1, so the masked position i is scored with logits[i-1].
+
+Cost is dominated by canvas length, so most batches use a short response region and a
+minority long ones (256, 512) with fewer rows, keeping tokens per step roughly constant:
+the long batches teach EOS at far positions and a canvas mostly made of masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from asynclane_jax.models.config import ModelConfig
+from asynclane_jax.models.model import DiffusionLM
+from asynclane_jax.testbed import tasks
+from asynclane_jax.testbed import tokenizer as tok
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a training run depends on (saved beside its checkpoints)."""
+
+    name: str = "tiny-llada"
+    family: str = "llada"  # "llada" or "dream"
+    d_model: int = 64
+    n_layers: int = 6
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    head_dim: int = 24
+    mlp_hidden: int = 192
+    max_seq_len: int = 640  # covers a 36-token prompt + a 512-token generation
+    prompt_length: int = 36  # prompts are left-padded to this many tokens
+    # (response region length, rows, probability) of each batch shape.
+    regions: tuple = ((64, 24, 0.75), (256, 6, 0.2), (512, 3, 0.05))
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.03
+    warmup_steps: int = 200
+    b1: float = 0.9
+    b2: float = 0.98
+    weight_decay: float = 0.05
+    clip_norm: float = 1.0
+    t_eps: float = 1e-3
+    # Fraction of rows whose left padding is attended (robustness to decoders that do
+    # not mask padding keys).
+    attended_pad_frac: float = 0.25
+    minutes: float | None = 55.0  # wall-clock budget; the cosine schedule spans it
+    steps: int | None = None  # or a fixed step count (wins when set)
+    eval_every_s: float = 600.0
+    eval_n: int = 32
+    eval_gen_length: int = 64
+    ckpt_every_s: float = 300.0
+    seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        dream = self.family == "dream"
+        return ModelConfig(
+            family=self.family, vocab_size=tok.vocab_size(), d_model=self.d_model,
+            n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, rope_theta=10000.0,
+            norm_eps=1e-6 if dream else 1e-5, qkv_bias=dream, tie_embeddings=False,
+            logit_shift=dream, max_seq_len=self.max_seq_len, dtype="float32",
+            param_dtype="float32", **tok.special_ids())
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["regions"] = [list(r) for r in self.regions]
+        return d
+
+
+def llada_config(**changes) -> TrainConfig:
+    """tiny-llada: MHA, no biases, no logit shift."""
+    return dataclasses.replace(TrainConfig(name="tiny-llada", family="llada"), **changes)
+
+
+def dream_config(**changes) -> TrainConfig:
+    """tiny-dream: GQA (4 query / 2 key-value heads), q/k/v biases, shifted logits."""
+    return dataclasses.replace(
+        TrainConfig(name="tiny-dream", family="dream", n_kv_heads=2), **changes)
+
+
+# --------------------------------------------------------------------------- data
+
+def make_batch(stream, rows: int, region: int, prompt_length: int, rng: np.random.Generator,
+               attended_pad_frac: float = 0.0) -> dict:
+    """One batch: left-padded chat prompt, then response + EOS up to `region` tokens.
+
+    Returns:
+      dict of numpy arrays: tokens [b, T], key_mask [b, T] (False on padding keys),
+      response [b, T] (True on the response region, answer and EOS tail alike).
+    """
+    eos = tok.special_ids()["eos_token_id"]
+    total = prompt_length + region
+    tokens = np.full((rows, total), eos, np.int32)
+    key_mask = np.ones((rows, total), bool)
+    for i in range(rows):
+        p = next(stream)
+        prompt, resp = tok.prompt_ids(p.prompt), tok.encode(p.response)
+        if len(prompt) > prompt_length or len(resp) >= region:
+            raise ValueError(f"problem does not fit: prompt {len(prompt)} > {prompt_length} "
+                             f"or response {len(resp)} >= {region}")
+        tokens[i, prompt_length - len(prompt):prompt_length] = prompt
+        tokens[i, prompt_length:prompt_length + len(resp)] = resp
+        if rng.random() >= attended_pad_frac:
+            key_mask[i, :prompt_length - len(prompt)] = False
+    response = np.zeros((rows, total), bool)
+    response[:, prompt_length:] = True
+    return {"tokens": tokens, "key_mask": key_mask, "response": response}
+
+
+# --------------------------------------------------------------------------- objective
+
+def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3):
+    """LLaDA's masked-diffusion loss (Dream's when the model's config shifts logits).
+
+    Returns:
+      (loss, aux) with aux["acc"] the accuracy on masked positions.
+    """
+    cfg = model.cfg
+    tokens, response = batch["tokens"], batch["response"]
+    b, n = tokens.shape
+    k_t, k_m = jax.random.split(key)
+    t = t_eps + (1.0 - t_eps) * jax.random.uniform(k_t, (b, 1))
+    masked = response & (jax.random.uniform(k_m, (b, n)) < t)
+    noisy = jnp.where(masked, cfg.mask_token_id, tokens)
+    logits = model(noisy, key_mask=batch["key_mask"])
+    targets = tokens
+    if cfg.logit_shift:
+        # Position i is scored with the output at i - 1; the first response token is read
+        # from the last prompt token.
+        logits, targets, masked = logits[:, :-1], tokens[:, 1:], masked[:, 1:]
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    m = masked.astype(jnp.float32)
+    loss = jnp.sum(ce * m / t) / jnp.sum(response)
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    acc = jnp.sum(correct * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)}
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW without its own learning rate: the step multiplies by lr (set per step from
+    the wall-clock schedule, so a time budget always ends with a finished cosine)."""
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip_norm),
+        optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
+        optax.add_decayed_weights(tc.weight_decay),
+    )
+
+
+def lr_at(tc: TrainConfig, step: int, progress: float) -> float:
+    warm = min(1.0, (step + 1) / max(1, tc.warmup_steps))
+    progress = min(max(progress, 0.0), 1.0)
+    cos = tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return tc.lr * warm * cos
+
+
+def make_train_step(graphdef, tx, t_eps: float) -> Callable:
+    def step(params, opt_state, batch, key, lr):
+        def f(p):
+            return diffusion_loss(nnx.merge(graphdef, p), batch, key, t_eps)
+
+        (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, dict(aux, loss=loss, gnorm=optax.global_norm(grads))
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+# --------------------------------------------------------------------------- monitoring
+
+def monitor(model: DiffusionLM, problems: list[tasks.Problem], *, gen_length: int,
+            prompt_length: int) -> dict:
+    """Exact-match and per-line accuracy of greedy vanilla decoding (quick_decode)."""
+    from asynclane_jax.testbed.quick_decode import vanilla_decode
+
+    out = vanilla_decode(model, [tok.prompt_ids(p.prompt) for p in problems],
+                         gen_length=gen_length, block_length=32, prompt_length=prompt_length)
+    ok = [tasks.check(p, row) for p, row in zip(problems, out)]
+    lines = [tasks.line_accuracy(p, row) for p, row in zip(problems, out)]
+    res = {"acc": float(np.mean(ok)),
+           "line_acc": sum(r for r, _ in lines) / max(1, sum(n for _, n in lines))}
+    for fam in tasks.FAMILIES:
+        sel = [o for o, p in zip(ok, problems) if p.family == fam]
+        if sel:
+            res[f"acc_{fam}"] = float(np.mean(sel))
+    return res
+
+
+# --------------------------------------------------------------------------- driver
+
+class Trainer:
+    """Owns model, optimiser state, data stream, log and checkpoints of one run."""
+
+    def __init__(self, tc: TrainConfig, run_dir: str | pathlib.Path | None = None):
+        self.tc = tc
+        self.cfg = tc.model_config()
+        self.model = DiffusionLM(self.cfg, rngs=nnx.Rngs(tc.seed))
+        self.graphdef, self.params = nnx.split(self.model)
+        self.tx = make_optimizer(tc)
+        self.opt_state = self.tx.init(self.params)
+        self.step_fn = make_train_step(self.graphdef, self.tx, tc.t_eps)
+        self.step = 0
+        self.elapsed = 0.0  # training seconds, across resumes
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self.run_dir = pathlib.Path(run_dir) if run_dir else None
+        self._manager = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._restore()
+        self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed)
+        self._rng = np.random.default_rng(tc.seed + self.step)
+
+    # -- checkpoints
+    def _ckpt_manager(self):
+        import orbax.checkpoint as ocp
+
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(
+                (self.run_dir / "ckpt").absolute(),
+                options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+        return self._manager
+
+    def _leaves(self):
+        return {str(i): x for i, x in
+                enumerate(jax.tree_util.tree_leaves((self.params, self.opt_state)))}
+
+    def save_checkpoint(self):
+        import orbax.checkpoint as ocp
+
+        if self.run_dir is None:
+            return
+        mgr = self._ckpt_manager()
+        if mgr.latest_step() == self.step:
+            return
+        mgr.save(self.step, args=ocp.args.StandardSave(self._leaves()), force=True)
+        mgr.wait_until_finished()
+        (self.run_dir / "log.json").write_text(json.dumps(self.log_dict(), indent=1))
+
+    def _restore(self):
+        import orbax.checkpoint as ocp
+
+        mgr = self._ckpt_manager()
+        last = mgr.latest_step()
+        if last is None:
+            return
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._leaves())
+        leaves = mgr.restore(last, args=ocp.args.StandardRestore(target))
+        treedef = jax.tree_util.tree_structure((self.params, self.opt_state))
+        flat = [jnp.asarray(leaves[str(i)]) for i in range(len(leaves))]
+        self.params, self.opt_state = jax.tree_util.tree_unflatten(treedef, flat)
+        log = json.loads((self.run_dir / "log.json").read_text())
+        self.step, self.elapsed = log["step"], log["elapsed_s"]
+        self.history, self.evals = log["history"], log["evals"]
+
+    def log_dict(self) -> dict:
+        return {"config": self.tc.to_dict(), "model": self.cfg.to_dict(), "step": self.step,
+                "elapsed_s": self.elapsed, "params": self.n_params,
+                "history": self.history, "evals": self.evals}
+
+    @property
+    def n_params(self) -> int:
+        return int(sum(x.size for x in jax.tree_util.tree_leaves(self.params)))
+
+    # -- training
+    def current_model(self) -> DiffusionLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    def progress(self) -> float:
+        if self.tc.steps:
+            return self.step / self.tc.steps
+        return self.elapsed / (60.0 * self.tc.minutes)
+
+    def next_batch(self) -> dict:
+        regions = self.tc.regions
+        probs = np.array([r[2] for r in regions], float)
+        region, rows, _ = regions[self._rng.choice(len(regions), p=probs / probs.sum())]
+        return make_batch(self._stream, rows, region, self.tc.prompt_length, self._rng,
+                          self.tc.attended_pad_frac)
+
+    def train_step(self) -> dict:
+        batch = self.next_batch()
+        lr = lr_at(self.tc, self.step, self.progress())
+        key = jax.random.fold_in(jax.random.key(self.tc.seed), self.step)
+        t0 = time.perf_counter()
+        self.params, self.opt_state, aux = self.step_fn(
+            self.params, self.opt_state, {k: jnp.asarray(v) for k, v in batch.items()}, key,
+            jnp.float32(lr))
+        aux = {k: float(v) for k, v in aux.items()}
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        self.step += 1
+        rec = {"step": self.step, "t": round(self.elapsed, 2), "lr": lr,
+               "region": int(batch["tokens"].shape[1] - self.tc.prompt_length),
+               **{k: round(v, 5) for k, v in aux.items()}}
+        self.history.append(rec)
+        return rec
+
+    def evaluate(self) -> dict:
+        problems = tasks.heldout(self.tc.eval_n)
+        t0 = time.perf_counter()
+        res = monitor(self.current_model(), problems, gen_length=self.tc.eval_gen_length,
+                      prompt_length=self.tc.prompt_length)
+        res.update(step=self.step, t=round(self.elapsed, 1),
+                   eval_s=round(time.perf_counter() - t0, 1))
+        self.evals.append(res)
+        return res
+
+    def fit(self, progress_bar: bool = True, log=print) -> None:
+        """Trains until the step count or wall-clock budget is spent."""
+        from tqdm import tqdm
+
+        total = self.tc.steps or int(60 * self.tc.minutes)
+        unit = "step" if self.tc.steps else "s"
+        bar = tqdm(total=total, initial=self.step if self.tc.steps else int(self.elapsed),
+                   unit=unit, disable=not progress_bar, mininterval=5.0)
+        last_eval = last_ckpt = self.elapsed
+        while self.progress() < 1.0:
+            before = self.elapsed
+            rec = self.train_step()
+            bar.update(1 if self.tc.steps else int(self.elapsed) - int(before))
+            bar.set_postfix(step=rec["step"], loss=f"{rec['loss']:.4f}", acc=f"{rec['acc']:.3f}",
+                            lr=f"{rec['lr']:.1e}", refresh=False)
+            if self.tc.eval_every_s and self.elapsed - last_eval >= self.tc.eval_every_s:
+                res = self.evaluate()
+                log(f"[eval] {json.dumps(res)}")
+                last_eval = self.elapsed
+            if self.run_dir is not None and self.elapsed - last_ckpt >= self.tc.ckpt_every_s:
+                self.save_checkpoint()
+                last_ckpt = self.elapsed
+        bar.close()
+        if self.run_dir is not None:
+            self.save_checkpoint()
+
+    def export(self, folder, *, tokenizer_dir, extra: dict | None = None):
+        """Writes the trained model as a converted folder (asynclane_jax.checkpoint)."""
+        from asynclane_jax import checkpoint
+
+        summary = {"testbed": {"train_config": self.tc.to_dict(), "steps": self.step,
+                               "train_seconds": round(self.elapsed, 1),
+                               "params": self.n_params, **(extra or {})}}
+        return checkpoint.save(folder, self.current_model(), tokenizer_dir=tokenizer_dir,
+                               extra=summary, overwrite=True)
+
+
+def smoothed(values, window: int = 50) -> np.ndarray:
+    v = np.asarray(values, float)
+    if len(v) < 2:
+        return v
+    w = min(window, len(v))
+    c = np.cumsum(np.insert(v, 0, 0.0))
+    head = c[1:w] / np.arange(1, w)
+    return np.concatenate([head, (c[w:] - c[:-w]) / w])
+
+
+def plot_run(log: dict, path) -> None:
+    """Loss curve (and monitored accuracy) of a run, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = log["history"]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [h["step"] for h in hist]
+    ax[0].plot(steps, [h["loss"] for h in hist], alpha=0.25, lw=0.6, label="loss")
+    ax[0].plot(steps, smoothed([h["loss"] for h in hist]), lw=1.5, label="loss (smoothed)")
+    ax[0].set_yscale("log")
+    ax[0].set_xlabel("step")
+    ax[0].set_title(f"{log['config']['name']}: masked-diffusion loss")
+    ax[0].legend()
+    ev = log["evals"]
+    if ev:
+        ax[1].plot([e["step"] for e in ev], [e["acc"] for e in ev], "o-", label="answer exact")
+        ax[1].plot([e["step"] for e in ev], [e["line_acc"] for e in ev], "s-", label="lines exact")
+    ax[1].set_ylim(0, 1)
+    ax[1].set_xlabel("step")
+    ax[1].set_title("held-out (monitor, vanilla, gen 64)")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

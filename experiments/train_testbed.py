@@ -1,0 +1,94 @@
+"""Trains a tiny testbed model and ships it into the package.
+
+  python experiments/train_testbed.py --model tiny-llada --minutes 55
+  python experiments/train_testbed.py --model tiny-dream --minutes 55
+
+Checkpoints (resumable: rerun the same command) go under runs/<name>/; the loss curve
+and the JSON log go to experiments/results/testbed_<name>.{png,json}; the final model is
+written to asynclane_jax/testbed/models/<name>/ (unless --no-export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["tiny-llada", "tiny-dream"], default="tiny-llada")
+    ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
+    ap.add_argument("--steps", type=int, default=None, help="fixed step count instead")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--d-model", type=int, default=None)
+    ap.add_argument("--n-layers", type=int, default=None)
+    ap.add_argument("--mlp-hidden", type=int, default=None)
+    ap.add_argument("--eval-every", type=float, default=600.0, help="seconds between monitors")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-dir", default=None, help="default: runs/<model>")
+    ap.add_argument("--export", default=None,
+                    help="destination folder (default: the package's testbed/models/<model>)")
+    ap.add_argument("--no-export", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--time-steps", type=int, default=0,
+                    help="only time this many steps per batch shape, then exit")
+    args = ap.parse_args(argv)
+
+    from asynclane_jax.testbed import tokenizer as tok
+    from asynclane_jax.testbed import train
+
+    make = train.llada_config if args.model == "tiny-llada" else train.dream_config
+    changes = {"minutes": args.minutes, "steps": args.steps, "eval_every_s": args.eval_every,
+               "seed": args.seed}
+    for field in ("lr", "d_model", "n_layers", "mlp_hidden"):
+        if getattr(args, field) is not None:
+            changes[field] = getattr(args, field)
+    tc = make(**changes)
+
+    if args.time_steps:
+        trainer = train.Trainer(tc)
+        print(f"{tc.name}: {trainer.n_params:,} parameters")
+        for region, rows, _ in tc.regions:
+            t = dataclasses.replace(tc, regions=((region, rows, 1.0),))
+            trainer.tc = t
+            trainer.train_step()  # compile
+            t0 = time.perf_counter()
+            for _ in range(args.time_steps):
+                rec = trainer.train_step()
+            dt = (time.perf_counter() - t0) / args.time_steps
+            print(f"region {region} x {rows} rows: {dt:.3f} s/step (loss {rec['loss']:.3f})")
+        trainer.tc = tc
+        t0 = time.perf_counter()
+        print(trainer.evaluate(), f"{time.perf_counter() - t0:.1f} s")
+        return
+
+    run_dir = pathlib.Path(args.run_dir or ROOT / "runs" / tc.name)
+    trainer = train.Trainer(tc, run_dir)
+    print(f"{tc.name}: {trainer.n_params:,} parameters; resuming at step {trainer.step}"
+          if trainer.step else f"{tc.name}: {trainer.n_params:,} parameters", flush=True)
+    trainer.fit(progress_bar=not args.no_progress, log=lambda s: print(s, flush=True))
+    final = trainer.evaluate()
+    print(f"[final monitor] {json.dumps(final)}", flush=True)
+
+    results = ROOT / "experiments" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    log = trainer.log_dict()
+    (results / f"testbed_{tc.name}.json").write_text(json.dumps(log, indent=1) + "\n")
+    train.plot_run(log, results / f"testbed_{tc.name}.png")
+    if not args.no_export:
+        tok_dir = run_dir / "tokenizer"
+        tok.save_tokenizer(tok_dir)
+        dest = pathlib.Path(args.export) if args.export else (
+            ROOT / "asynclane_jax" / "testbed" / "models" / tc.name)
+        trainer.export(dest, tokenizer_dir=tok_dir, extra={"monitor": final})
+        print(f"saved {dest}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
