@@ -194,7 +194,7 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
             "lora": adapter.summary() if adapter else None,
             "lora_config": adapter.config if adapter else None}}
         checkpoint.write_config(tmp, cfg, snap.hf_config, extra)
-        save_params_in_place(tmp / checkpoint.PARAMS_DIR, params)
+        checkpoint.save_params(tmp / checkpoint.PARAMS_DIR, params)
         del params
         copy_tokenizer(snap.folder, tmp, cfg.family)
         _install(tmp, dst)
@@ -234,26 +234,6 @@ def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path, family: str) -> list[st
               f"({type(e).__name__}: {e}); the converted folder has no tokenizer",
               file=sys.stderr)
     return copied
-
-
-def save_params_in_place(params_dir: pathlib.Path, params: dict) -> None:
-    """Writes the nested dict as the orbax checkpoint `checkpoint.load` reads, no copies.
-
-    orbax's defaults deep-copy host arrays before an (unneeded here) asynchronous write
-    and zstd-compress every array in memory; either doubles the peak for a model-sized
-    dict. The write here is synchronous, so the arrays are written in place; bf16
-    weights barely compress anyway.
-    """
-    import jax
-    import orbax.checkpoint as ocp
-
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        (jax.Array, ocp.type_handlers.ArrayHandler()))
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
-                                          use_compression=False)
-    with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(params_dir.absolute(), args=ocp.args.PyTreeSave(checkpoint._str_keys(params)))
 
 
 def _install(tmp: pathlib.Path, dst: pathlib.Path) -> None:

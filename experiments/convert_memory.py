@@ -174,7 +174,7 @@ def main() -> int:
         "(the output size) plus the tensor in flight (read buffer and its transposed copy, "
         "at most about one largest tensor each); the orbax write adds nothing because it "
         "writes the host arrays in place, uncompressed "
-        "(`checkpoints_convert.convert.save_params_in_place`). Loading the whole source "
+        "(`asynclane_jax.checkpoint.save_params`). Loading the whole source "
         "before converting, or orbax's default save (which deep-copies host arrays and "
         "compresses in memory), would each add another model-sized copy.",
         "",

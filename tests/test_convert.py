@@ -209,7 +209,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch, stage):
     if stage == "save":
         def broken(*args, **kwargs):
             raise OSError("disk full")
-        monkeypatch.setattr(conv, "save_params_in_place", broken)
+        monkeypatch.setattr(conv.checkpoint, "save_params", broken)
     with pytest.raises((KeyboardInterrupt, OSError)):
         conv.convert(str(src), tmp_path / "dst", progress=False, on_tensor=on_tensor)
     assert not (tmp_path / "dst").exists()
