@@ -4,10 +4,11 @@ Every sampler is a policy (policy.py). One iteration:
   1. Choose the call. Without a cache every iteration is a full forward serving every
      unfinished row. With a cache, a row entering a block needs a refresh (a full
      forward whose K/V become its cache and whose logits decode that step, as in
-     Fast-dLLM, so no call is wasted); if any row needs one, this iteration is a full
-     forward serving exactly those rows while the others wait (so each row's result
-     does not depend on its batch mates). Otherwise it is a cached call serving all
-     unfinished rows: the block (dual cache) or [block start, T) (prefix cache).
+     Fast-dLLM, so no call is wasted). Refreshes are batched, as in the public batched
+     code: once every unfinished row has entered a new block, one full forward serves
+     them all; until then rows that have entered one wait, and a cached call serves the
+     others: the block (dual cache) or [block start, T) (prefix cache). A waiting row's
+     canvas is frozen, so each row decodes exactly as it would alone.
   2. The policy picks commits inside each served row's current block.
   3. A row whose block has no masks left moves to the next block; after the last
      block it is finished and never changes again.
@@ -156,14 +157,18 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
     def body(st: DecodeState) -> DecodeState:
         active = st.block < policy.num_blocks  # [b]
         if use_cache:
+            # Refreshes are batched: a row entering a new block waits until every
+            # unfinished row has entered one, then a single full forward refreshes them
+            # all. Waiting changes nothing for the row (its canvas is frozen meanwhile),
+            # so each row still decodes exactly as it would alone.
             need = active & (st.step_in_block == 0)
-            any_need = jnp.any(need)
+            refresh = jnp.all(need | ~active)
             logits, st = jax.lax.cond(
-                any_need,
+                refresh,
                 lambda s: full_call(s, need),
-                lambda s: partial_call(s, active),
+                lambda s: partial_call(s, active & ~need),
                 st)
-            serve = jnp.where(any_need, need, active)
+            serve = jnp.where(refresh, need, active & ~need)
         else:
             serve = active
             logits, st = full_call(st, serve)
@@ -179,6 +184,12 @@ def build_loop(graphdef, params, canvas, pad_len, rng, *, policy: BlockPolicy,
             first_col = jnp.arange(B)[None, :] == 0
             x0 = jnp.where(at_start & first_col, jnp.argmax(logits, -1).astype(x0.dtype), x0)
             commit = jnp.where(at_start, first_col, commit)
+        # The mask token is never committed: that would leave the position masked for
+        # ever (the public samplers would commit it). A position whose prediction is the
+        # mask token takes its best other token. A trained model gives the mask token no
+        # mass, so this only matters for untrained weights; confidences are untouched.
+        best_other = jnp.argmax(logits.at[..., mask_id].set(-jnp.inf), -1).astype(x0.dtype)
+        x0 = jnp.where(x0 == mask_id, best_other, x0)
         commit = commit & masked
         new_blk = jnp.where(commit, x0, blk_tokens)
         canvas = st.canvas.at[_rows(b), cols_blk].set(new_blk)

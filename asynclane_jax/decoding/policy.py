@@ -60,9 +60,9 @@ class BlockPolicy:
         return self.gen_length // self.block_length
 
     def max_iterations(self) -> int:
-        # Every served iteration commits at least one token, and a cached row may wait one
-        # iteration per block while other rows refresh.
-        return self.gen_length + 2 * self.num_blocks + 2
+        # Every served iteration commits at least one token; with a cache a row may also
+        # wait while its batch mates finish their blocks (at most G iterations in all).
+        return 2 * self.gen_length + self.num_blocks + 2
 
     def init_state(self, batch: int) -> Any:
         del batch
