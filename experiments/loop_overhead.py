@@ -65,7 +65,9 @@ def measure(model, prompts, sampler, opts, args) -> dict:
         return jax.block_until_ready(st)
 
     variants = {"while_loop": run_while, "python_loop": run_python}
-    if not args.skip_eager:
+    # Eager stepping is timed for cache-free samplers only: with a cache, the body's
+    # lax.cond runs op by op and one decode takes minutes.
+    if not args.skip_eager and policy.cache == "none":
         variants["eager"] = lambda: run_python(body)
     times, finals = {}, {}
     for name, fn in variants.items():

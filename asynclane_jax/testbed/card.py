@@ -75,8 +75,9 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            f"{tc['weight_decay']}, clip {tc['clip_norm']}). Batch shapes (response region, "
            "rows, probability): " + ", ".join(f"{r[0]}×{r[1]} ({r[2]})" for r in tc["regions"])
            + f"; prompts left-padded to {tc['prompt_length']}.", "",
-           f"Steps: {log['step']:,}; training wall time: {minutes:.1f} min on a shared "
-           "2-core CPU (one thread per run, two runs and other jobs in parallel). "
+           f"Steps: {log['step']:,}; training time: {minutes:.1f} min of training steps "
+           "(monitoring excluded) on a shared 2-core CPU (one thread per run, two runs and "
+           "other jobs in parallel). "
            "Command: `python experiments/train_testbed.py --model "
            f"{name} --minutes {tc['minutes']:g} --d-model {tc['d_model']} "
            f"--mlp-hidden {tc['mlp_hidden']}`. Loss curve: "
