@@ -70,7 +70,7 @@ def _cmd_generate(args) -> int:
         print(json.dumps({"text": res.text[0], "tokens": res.tokens[0].tolist(),
                           "stats": out_stats}))
     else:
-        print(res.text[0])
+        print(res.text[0], flush=True)
         n = stats["generated_tokens"][0]
         print(f"[{sampler}: {n} tokens, {stats['steps']} steps, {stats['nfe_full']} full + "
               f"{stats['nfe_partial']} cached calls, {stats['wall_time']:.2f}s incl. "
