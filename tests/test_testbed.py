@@ -111,15 +111,6 @@ def test_loss_ignores_unmasked_positions():
     assert np.isfinite(float(loss)) and float(loss) > 0
 
 
-def test_quick_decode_matches_reference_format():
-    from asynclane_jax.testbed.quick_decode import pad_prompts
-
-    tokens, key_mask, positions = pad_prompts([[5, 6], [7, 8, 9]], pad_id=0)
-    assert tokens.tolist() == [[0, 5, 6], [7, 8, 9]]
-    assert key_mask.tolist() == [[False, True, True], [True, True, True]]
-    assert positions.tolist() == [[0, 0, 1], [0, 1, 2]]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
 def test_shipped_model_loads_and_writes_well_formed_solutions(name):

@@ -7,7 +7,6 @@ and the tiny LLaDA- and Dream-style models shipped in models/ (load them by name
   train.py         LLaDA / Dream masked-diffusion objective, optax + orbax trainer
   evaluate.py      held-out exact-match accuracy through asynclane_jax.decoding.generate
                    (`from asynclane_jax.testbed.evaluate import evaluate`)
-  quick_decode.py  a minimal jitted vanilla decoder for monitoring training
   card.py          model cards of the shipped models
 """
 

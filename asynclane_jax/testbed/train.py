@@ -190,11 +190,13 @@ def make_train_step(graphdef, tx, t_eps: float) -> Callable:
 
 def monitor(model: DiffusionLM, problems: list[tasks.Problem], *, gen_length: int,
             prompt_length: int) -> dict:
-    """Exact-match and per-line accuracy of greedy vanilla decoding (quick_decode)."""
-    from asynclane_jax.testbed.quick_decode import vanilla_decode
+    """Exact-match and per-line accuracy of greedy vanilla decoding (steps = gen_length)."""
+    from asynclane_jax.decoding import generate
 
-    out = vanilla_decode(model, [tok.prompt_ids(p.prompt) for p in problems],
-                         gen_length=gen_length, block_length=32, prompt_length=prompt_length)
+    block = 32 if gen_length % 32 == 0 else gen_length
+    out = generate(model, [tok.prompt_ids(p.prompt) for p in problems], sampler="vanilla",
+                   gen_length=gen_length, block_length=block, steps=gen_length,
+                   bucket=prompt_length).tokens
     ok = [tasks.check(p, row) for p, row in zip(problems, out)]
     lines = [tasks.line_accuracy(p, row) for p, row in zip(problems, out)]
     res = {"acc": float(np.mean(ok)),
