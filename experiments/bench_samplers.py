@@ -36,6 +36,33 @@ def sampler_grid(family: str) -> list[tuple[str, str, dict]]:
     return grid
 
 
+def write_results(args, cfg, rows) -> None:
+    """Writes the rows so far to results/samplers_<model>.{json,md}."""
+    meta = {"model": args.model, "family": cfg.family, "n": args.n,
+            "block_length": args.block_length, "batch_size": args.batch_size,
+            "backend": jax.default_backend(), "machine": platform.machine()}
+    RESULTS.mkdir(exist_ok=True)
+    stem = f"samplers_{args.model.replace('/', '_')}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"# Samplers on `{args.model}`", "",
+             f"{args.n} held-out problems per row, batch {args.batch_size}, block length "
+             f"{args.block_length} (Dream's own sampler: one block), greedy; backend "
+             f"{meta['backend']} ({meta['machine']}). Tokens/s: tokens before the first "
+             "end-of-text per second of decoding, compilation excluded. Speed-up: tokens/s "
+             "over vanilla's (steps = gen_length) at the same budget.", "",
+             "| gen_length | sampler | accuracy | lines right | tokens/s | speed-up | "
+             "calls / token | calls / problem |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['gen_length']} | {r['sampler']} | {100 * r['accuracy']:.1f}% | "
+            f"{100 * r['line_accuracy']:.1f}% | {r['tps']:.0f} | "
+            f"{r['speedup_vs_vanilla']:.2f}x | {r['nfe_per_token']:.3f} | "
+            f"{r['nfe_per_row']:.1f} |")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-llada")
@@ -63,30 +90,8 @@ def main():
                    "n": r["n"], "wall_s": r["wall_s"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-
-    meta = {"model": args.model, "family": cfg.family, "n": args.n,
-            "block_length": args.block_length, "batch_size": args.batch_size,
-            "backend": jax.default_backend(), "machine": platform.machine()}
-    RESULTS.mkdir(exist_ok=True)
-    stem = f"samplers_{args.model.replace('/', '_')}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# Samplers on `{args.model}`", "",
-             f"{args.n} held-out problems per row, batch {args.batch_size}, block length "
-             f"{args.block_length} (Dream's own sampler: one block), greedy; backend "
-             f"{meta['backend']} ({meta['machine']}). Tokens/s: tokens before the first "
-             "end-of-text per second of decoding, compilation excluded. Speed-up: tokens/s "
-             "over vanilla's (steps = gen_length) at the same budget.", "",
-             "| gen_length | sampler | accuracy | lines right | tokens/s | speed-up | "
-             "calls / token | calls / problem |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['gen_length']} | {r['sampler']} | {100 * r['accuracy']:.1f}% | "
-            f"{100 * r['line_accuracy']:.1f}% | {r['tps']:.0f} | "
-            f"{r['speedup_vs_vanilla']:.2f}x | {r['nfe_per_token']:.3f} | "
-            f"{r['nfe_per_row']:.1f} |")
-    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            write_results(args, cfg, rows)  # after every row: nothing lost if stopped
+    print((RESULTS / f"samplers_{args.model.replace('/', '_')}.md").read_text())
 
 
 if __name__ == "__main__":
