@@ -16,7 +16,7 @@ from asynclane_jax.decoding import loop
 from asynclane_jax.decoding.dream import DreamPolicy
 from asynclane_jax.decoding.fast_dllm import FastDllmPolicy
 from asynclane_jax.decoding.localleap import LocalLeapPolicy
-from asynclane_jax.decoding.policy import BlockPolicy, SamplerError
+from asynclane_jax.decoding.policy import BlockPolicy, FixedStepsPolicy, SamplerError
 from asynclane_jax.decoding.vanilla import VanillaPolicy
 
 SAMPLERS: dict[str, type[BlockPolicy]] = {
@@ -65,7 +65,7 @@ def make_policy(sampler: str, *, gen_length: int, block_length: int | None,
     if unknown:
         raise SamplerError(
             f"{sampler}: unknown option(s) {unknown}; accepted: {sorted(fields)}")
-    if sampler in ("vanilla", "dream") and "steps" not in options:
+    if issubclass(cls, FixedStepsPolicy) and "steps" not in options:
         options["steps"] = gen_length
     try:
         return cls(gen_length=gen_length, block_length=block_length, **options)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.policy import BlockPolicy, SamplerError
+from asynclane_jax.decoding.policy import FixedStepsPolicy, SamplerError
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -29,9 +29,8 @@ def dream_timesteps(steps: int, eps: float) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class DreamPolicy(BlockPolicy):
-    """Attributes (beyond BlockPolicy):
-      steps: total steps (a multiple of the number of blocks).
+class DreamPolicy(FixedStepsPolicy):
+    """Attributes (beyond FixedStepsPolicy):
       alg: origin | maskgit_plus | topk_margin | entropy.
       alg_temp: > 0 samples the positions to commit from softmax(confidence / alg_temp).
       temperature, top_p, top_k: token sampling; temperature 0 is greedy.
@@ -39,7 +38,6 @@ class DreamPolicy(BlockPolicy):
     """
 
     name = "dream"
-    steps: int = 0
     alg: str = "maskgit_plus"
     alg_temp: float = 0.0
     temperature: float = 0.0
@@ -49,12 +47,6 @@ class DreamPolicy(BlockPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.cache != "none":
-            raise SamplerError("dream: cache must be 'none' (use fast-dllm for caching)")
-        if self.steps <= 0 or self.steps % self.num_blocks:
-            raise SamplerError(
-                f"dream: steps={self.steps} must be a positive multiple of the number of "
-                f"blocks gen_length/block_length={self.num_blocks}")
         if self.alg not in ALGS:
             raise SamplerError(f"dream: alg={self.alg!r}: expected one of {ALGS}")
         if self.alg_temp < 0 or self.temperature < 0:
@@ -65,13 +57,6 @@ class DreamPolicy(BlockPolicy):
             raise SamplerError(f"dream: top_k={self.top_k} must be positive")
         if not 0 < self.eps < 1:
             raise SamplerError(f"dream: eps={self.eps} must be in (0, 1)")
-
-    @property
-    def steps_per_block(self) -> int:
-        return self.steps // self.num_blocks
-
-    def max_iterations(self) -> int:
-        return self.steps + 2
 
     def _sample(self, logits, key):
         if self.temperature > 0:

@@ -84,6 +84,35 @@ class BlockPolicy:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedStepsPolicy(BlockPolicy):
+    """A block policy with a fixed step budget (LLaDA's and Dream's reference samplers):
+    `steps` spread evenly over the blocks, every call a full forward.
+
+    Attributes (beyond BlockPolicy):
+      steps: total steps over all blocks; a positive multiple of the number of blocks.
+    """
+
+    steps: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.cache != "none":
+            raise SamplerError(
+                f"{self.name}: cache must be 'none' (use fast-dllm for caching)")
+        if self.steps <= 0 or self.steps % self.num_blocks:
+            raise SamplerError(
+                f"{self.name}: steps={self.steps} must be a positive multiple of the number "
+                f"of blocks gen_length/block_length={self.num_blocks}")
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def max_iterations(self) -> int:
+        return self.steps + 2
+
+
 def greedy_confidence(logits):
     """argmax token and its softmax probability; [b, n, V] -> ([b, n] int32, [b, n] f32)."""
     x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)

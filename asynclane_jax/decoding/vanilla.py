@@ -15,49 +15,32 @@ import jax
 import jax.numpy as jnp
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.policy import BlockPolicy, SamplerError
+from asynclane_jax.decoding.policy import FixedStepsPolicy, SamplerError
 
 REMASKING = ("low_confidence", "random")
 
 
 @dataclasses.dataclass(frozen=True)
-class VanillaPolicy(BlockPolicy):
-    """Attributes (beyond BlockPolicy):
-      steps: total steps over all blocks; a multiple of the number of blocks.
+class VanillaPolicy(FixedStepsPolicy):
+    """Attributes (beyond FixedStepsPolicy):
       remasking: "low_confidence" or "random".
       temperature: Gumbel-max temperature; 0 is greedy argmax.
       cfg_scale: classifier-free guidance scale; 0 disables it.
     """
 
     name = "vanilla"
-    steps: int = 0
     remasking: str = "low_confidence"
     temperature: float = 0.0
     cfg_scale: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
-        if self.cache != "none":
-            raise SamplerError("vanilla: cache must be 'none' (use fast-dllm for caching)")
-        if self.steps <= 0:
-            raise SamplerError(f"vanilla: steps={self.steps} must be positive")
-        if self.steps % self.num_blocks:
-            raise SamplerError(
-                f"vanilla: steps={self.steps} must be a multiple of the number of blocks "
-                f"gen_length/block_length={self.num_blocks}")
         if self.remasking not in REMASKING:
             raise SamplerError(f"vanilla: remasking={self.remasking!r}: expected {REMASKING}")
         if self.temperature < 0:
             raise SamplerError(f"vanilla: temperature={self.temperature} must be >= 0")
         if self.cfg_scale < 0:
             raise SamplerError(f"vanilla: cfg_scale={self.cfg_scale} must be >= 0")
-
-    @property
-    def steps_per_block(self) -> int:
-        return self.steps // self.num_blocks
-
-    def max_iterations(self) -> int:
-        return self.steps + 2
 
     def select(self, logits, masked, step_in_block, key, pstate):
         k_sample, k_remask = jax.random.split(key)
