@@ -29,6 +29,8 @@ def main(argv=None):
     ap.add_argument("--d-model", type=int, default=None)
     ap.add_argument("--n-layers", type=int, default=None)
     ap.add_argument("--mlp-hidden", type=int, default=None)
+    ap.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
+                    help="q/k/v projection biases (default: Dream yes, LLaDA no)")
     ap.add_argument("--eval-every", type=float, default=600.0, help="seconds between monitors")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None, help="default: runs/<model>")
@@ -46,7 +48,7 @@ def main(argv=None):
     make = train.llada_config if args.model == "tiny-llada" else train.dream_config
     changes = {"minutes": args.minutes, "steps": args.steps, "eval_every_s": args.eval_every,
                "seed": args.seed}
-    for field in ("lr", "d_model", "n_layers", "mlp_hidden"):
+    for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     tc = make(**changes)

@@ -17,6 +17,9 @@ def test_problems_are_deterministic_and_checkable():
     a, b = tasks.heldout(40), tasks.heldout(40)
     assert a == b
     assert {p.family for p in a} == set(tasks.FAMILIES)
+    for fam in tasks.FAMILIES:
+        # One prompt length per family: a line's statement sits at a fixed distance.
+        assert len({len(tok.prompt_ids(p.prompt)) for p in a if p.family == fam}) == 1
     for p in a:
         ids = tok.encode(p.response) + [tok.special_ids()["eos_token_id"]] * 5
         assert tasks.check(p, ids)
@@ -93,12 +96,13 @@ def test_a_few_training_steps_lower_the_loss(family):
 
 def test_batches_put_eos_after_the_answer():
     stream = tasks.problem_stream()
-    batch = train.make_batch(stream, 4, 64, 36, np.random.default_rng(0))
+    tc = train.TrainConfig()
+    batch = train.make_batch(stream, 4, 64, tc.prompt_length, np.random.default_rng(0))
     eos = tok.special_ids()["eos_token_id"]
     for row, resp in zip(batch["tokens"], batch["response"]):
         text = tok.decode_ids(row[resp])
         assert "answer :" in text and row[-1] == eos
-        assert not resp[:36].any() and resp[36:].all()
+        assert not resp[:tc.prompt_length].any() and resp[tc.prompt_length:].all()
 
 
 def test_loss_ignores_unmasked_positions():
@@ -111,13 +115,18 @@ def test_loss_ignores_unmasked_positions():
     assert np.isfinite(float(loss)) and float(loss) > 0
 
 
+MIN_SOLVED = 4  # of 20 held-out problems (twice what guessing gets)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
-def test_shipped_model_loads_and_writes_well_formed_solutions(name):
-    """The shipped models load by name through the converted-folder path and decode
-    well-formed solutions: one working line per step with the right labels, then
-    "answer : N", then end-of-text. (Their held-out accuracy is in their model cards;
-    it is below the project's bar, so it is not asserted here.)"""
+def test_shipped_model_loads_and_solves_heldout_problems(name):
+    """The shipped models load by name through the converted-folder path, write
+    well-formed solutions (one working line per step with the right labels, then
+    "answer : N", then end-of-text), and solve held-out problems far above chance with
+    the vanilla sampler. Answers are 0..9, so guessing solves about 2 of 20; the
+    project's bar of 12 of 20 is not met yet (the full evaluation is in each model
+    card)."""
     import re
 
     from asynclane_jax import generate, load, shipped_models
@@ -130,11 +139,13 @@ def test_shipped_model_loads_and_writes_well_formed_solutions(name):
     problems = tasks.heldout(20)
     res = generate(model, prompts_for(problems, tokenizer), sampler="vanilla",
                    gen_length=64, block_length=32, steps=64)
-    well_formed = 0
+    well_formed = solved = 0
     for p, row in zip(problems, res.tokens):
         lines = tasks.parse_lines(tasks.response_text(tok.decode_tokens(row)))
         labels = [ln.split()[0] for ln in lines[:-1]]
         ref_labels = [ln.split()[0] for ln in p.lines[:-1]]
         if labels == ref_labels and re.fullmatch(r"answer : \d+", lines[-1] if lines else ""):
             well_formed += 1
+        solved += tasks.check(p, row)
     assert well_formed >= 16, f"{well_formed} of 20 well-formed"
+    assert solved >= MIN_SOLVED, f"{solved} of 20 solved"

@@ -12,8 +12,26 @@ def _pct(x) -> str:
     return "—" if x is None else f"{100 * x:.1f}%"
 
 
+def _span(r) -> str:
+    return f"{r[0]}" if r[0] == r[1] else f"{r[0]}–{r[1]}"
+
+
+def _examples() -> list[str]:
+    """One training-split problem of each family, as prompt and response token lines."""
+    from asynclane_jax.testbed import tokenizer as tok
+
+    out = []
+    for fam in tasks.FAMILIES:
+        p = next(q for q in tasks.split("train", 20) if q.family == fam)
+        resp = p.response.replace("\n", "\\n")
+        out += [f"{fam:<6} {tok.USER} {p.prompt} {tok.ASSISTANT}",
+                f"       {resp} {tok.EOS} ..."]
+    return out
+
+
 def render(name: str, config: dict, log: dict, evals: list[dict],
-           attempts: list[dict] | None = None, notes: str = "") -> str:
+           attempts: list[dict] | None = None, notes: str = "",
+           hardware: str = "a 2-core CPU") -> str:
     """The card's markdown.
 
     Args:
@@ -23,13 +41,19 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
       evals: results of asynclane_jax.testbed.evaluate.evaluate.
       attempts: every training attempt as {"task", "size", "minutes", "accuracy", "note"}.
       notes: free text appended at the end.
+      hardware: where it was trained, e.g. "one core of a 2-core CPU".
     """
     m = config["model"]
     tc = log["config"]
+    sample = tasks.split("train", 200)
+    lines = (min(len(p.lines) for p in sample), max(len(p.lines) for p in sample))
+    lengths = (min(len(p.response.split(" ")) for p in sample),
+               max(len(p.response.split(" ")) for p in sample))
     minutes = log["elapsed_s"] / 60
-    family = ("LLaDA-style: multi-head attention, no biases, same-position logits"
+    bias = "q/k/v biases" if m["qkv_bias"] else "no biases"
+    family = (f"LLaDA-style: multi-head attention, {bias}, same-position logits"
               if m["family"] == "llada" else
-              "Dream-style: grouped-query attention, q/k/v biases, shifted logits "
+              f"Dream-style: grouped-query attention, {bias}, shifted logits "
               "(the token at position i is read from the output at i - 1)")
     out = [f"# {name}", "",
            f"A tiny masked-diffusion language model ({family}) trained from scratch on the "
@@ -40,19 +64,14 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            "## Task", "",
            "Two families, alternating in the held-out split (`asynclane_jax.testbed.tasks`); "
            "every number 0..99, word, label and newline is one token:", "",
-           "```",
-           "math   <|user|> ann has 7 coins . (1) finds 3 (2) loses 5 (3) buys 4 . "
-           "how many coins ? <|assistant|>",
-           "       (1) 7 + 3 = 10 \\n (2) 10 - 5 = 5 \\n (3) 5 + 4 = 9 \\n answer : 9 "
-           "<|endoftext|> ...",
-           "code   <|user|> x = 4 y = 7 (1) x = y + 3 (2) y = x - 5 print y <|assistant|>",
-           "       (0) x = 4 y = 7 \\n (1) 7 + 3 = 10 x = 10 y = 7 \\n "
-           "(2) 10 - 5 = 5 x = 10 y = 5 \\n answer : 5 <|endoftext|> ...",
-           "```", "",
-           f"Math problems have {tasks.MATH_STEPS[0]}–{tasks.MATH_STEPS[1]} events, programs "
-           f"{tasks.CODE_STEPS[0]}–{tasks.CODE_STEPS[1]} statements; values stay in "
-           f"0..{tasks.MAX_VALUE}, operands 1..{tasks.MAX_OPERAND}. Responses are 4–8 "
-           "newline-separated lines (25–63 tokens); the rest of the canvas is end-of-text. "
+           "```", *_examples(), "```", "",
+           f"Math problems have {_span(tasks.MATH_STEPS)} events, programs "
+           f"{_span(tasks.CODE_STEPS)} statements; values stay in "
+           f"0..{tasks.MAX_VALUE}, operands 1..{tasks.MAX_OPERAND}; all prompts of a family "
+           "have one length, so the statement a working line reads sits at a fixed "
+           "distance from it. Responses are "
+           f"{_span(lines)} newline-separated lines ({_span(lengths)} tokens); the rest of "
+           "the canvas is end-of-text. "
            "An answer is correct when the last line before end-of-text is exactly "
            "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
            f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts.", "",
@@ -76,11 +95,12 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            "rows, probability): " + ", ".join(f"{r[0]}×{r[1]} ({r[2]})" for r in tc["regions"])
            + f"; prompts left-padded to {tc['prompt_length']}.", "",
            f"Steps: {log['step']:,}; training time: {minutes:.1f} min of training steps "
-           "(monitoring excluded) on a shared 2-core CPU (one thread per run, two runs and "
-           "other jobs in parallel). "
+           f"(monitoring excluded) on {hardware}. "
            "Command: `python experiments/train_testbed.py --model "
            f"{name} --minutes {tc['minutes']:g} --d-model {tc['d_model']} "
-           f"--mlp-hidden {tc['mlp_hidden']}`. Loss curve: "
+           f"--mlp-hidden {tc['mlp_hidden']}"
+           + {True: " --qkv-bias", False: " --no-qkv-bias", None: ""}[tc.get("qkv_bias")]
+           + "`. Loss curve: "
            f"`experiments/results/testbed_{name}.png`.", "",
            "## Held-out accuracy", "",
            "| sampler | gen length | problems | exact answer | math | code | lines exact | "
@@ -115,12 +135,13 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
     return "\n".join(out)
 
 
-def write(folder, log_path, eval_paths, attempts=None, notes: str = "") -> pathlib.Path:
+def write(folder, log_path, eval_paths, attempts=None, notes: str = "",
+          hardware: str = "a 2-core CPU") -> pathlib.Path:
     """Writes README.md into a shipped model folder from JSON logs."""
     folder = pathlib.Path(folder)
     config = json.loads((folder / "config.json").read_text())
     log = json.loads(pathlib.Path(log_path).read_text())
     evals = [json.loads(pathlib.Path(p).read_text()) for p in eval_paths]
-    text = render(folder.name, config, log, evals, attempts, notes)
+    text = render(folder.name, config, log, evals, attempts, notes, hardware)
     (folder / "README.md").write_text(text)
     return folder / "README.md"

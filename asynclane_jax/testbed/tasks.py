@@ -1,21 +1,27 @@
 """Synthetic reasoning tasks with exact answers and newline-separated working lines.
 
 Two families, both built so that each line is a tiny lookup (a one-digit operand applied
-to a value in 0..19, or a copy) and the difficulty comes from the chain of dependent lines
+to a value in 0..9, or a copy) and the difficulty comes from the chain of dependent lines
 — which is also where parallel decoding goes wrong:
 
   math  a word problem; one working line per event, then the answer line.
-        prompt:   ann has 7 coins . (1) finds 3 (2) loses 5 (3) buys 4 . how many coins ?
-        response: (1) 7 + 3 = 10 \\n (2) 10 - 5 = 5 \\n (3) 5 + 4 = 9 \\n answer : 9
+        prompt:   ann has 7 coins . (1) finds 2 (2) loses 5 (3) buys 4 (4) eats 1 .
+                  how many coins ?
+        response: (1) 7 + 2 = 9 \\n (2) 9 - 5 = 4 \\n (3) 4 + 4 = 8 \\n (4) 8 - 1 = 7 \\n
+                  answer : 7
 
   code  a two-variable program and its execution trace (the whole state on every line).
-        prompt:   x = 4 y = 7 (1) x = y + 3 (2) y = x - 5 print y
-        response: (0) x = 4 y = 7 \\n (1) 7 + 3 = 10 x = 10 y = 7 \\n
-                  (2) 10 - 5 = 5 x = 10 y = 5 \\n answer : 5
+        prompt:   x = 4 y = 7 (1) x = y + 2 (2) y = x - 5 (3) x = x - 1 print y
+        response: (0) x = 4 y = 7 \\n (1) 7 + 2 = 9 x = 9 y = 7 \\n
+                  (2) 9 - 5 = 4 x = 9 y = 4 \\n (3) 9 - 1 = 8 x = 8 y = 4 \\n
+                  answer : 4
 
-Every word, number (0..99), label "(k)" and the newline is one token (see tokenizer.py),
-so a response of 25..75 tokens holds 4..7 lines and leaves the rest of a 128..512-token
-canvas to end-of-text padding.
+Every word, number (0..99), label "(k)" and the newline is one token (see tokenizer.py).
+Each family has a fixed number of events (MATH_STEPS, CODE_STEPS), so all prompts of a
+family have the same length and the statement a working line reads sits at a fixed
+distance from that line: fetching it is a positional copy, which a small model learns
+early, and what remains to learn is the chain itself. Responses are 31 (math) and 50
+(code) tokens; the rest of a 128..512-token canvas is end-of-text padding.
 
 Splits are fixed: the held-out split is drawn from its own seed, and the training stream
 skips any problem whose prompt occurs among the first HELDOUT_POOL held-out problems.
@@ -28,11 +34,11 @@ import functools
 import random
 
 FAMILIES = ("math", "code")
-MAX_VALUE = 19  # every intermediate value stays in 0..MAX_VALUE
-MAX_OPERAND = 9
+MAX_VALUE = 9  # every intermediate value stays in 0..MAX_VALUE
+MAX_OPERAND = 5
 MAX_STEPS = 8  # labels (0)..(MAX_STEPS) exist in the vocabulary
-MATH_STEPS = (3, 6)  # inclusive range of events per math problem
-CODE_STEPS = (2, 4)  # inclusive range of statements per program
+MATH_STEPS = (4, 4)  # inclusive range of events per math problem
+CODE_STEPS = (3, 3)  # inclusive range of statements per program
 
 NAMES = ("ann", "bob", "eve", "sam", "kim", "joe", "amy", "tom")
 ITEMS = ("apples", "coins", "cards", "books", "pens", "shells")

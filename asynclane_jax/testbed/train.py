@@ -46,12 +46,14 @@ class TrainConfig:
     n_layers: int = 6
     n_heads: int = 4
     n_kv_heads: int = 4
-    head_dim: int = 24
-    mlp_hidden: int = 192
-    max_seq_len: int = 640  # covers a 36-token prompt + a 512-token generation
-    prompt_length: int = 36  # prompts are left-padded to this many tokens
+    head_dim: int = 16
+    mlp_hidden: int = 256
+    # q/k/v projection biases (None: the family's own choice, Dream yes, LLaDA no).
+    qkv_bias: bool | None = None
+    max_seq_len: int = 576  # covers a 32-token prompt bucket + a 512-token generation
+    prompt_length: int = 28  # prompts are left-padded to this many tokens
     # (response region length, rows, probability) of each batch shape.
-    regions: tuple = ((64, 24, 0.75), (256, 6, 0.2), (512, 3, 0.05))
+    regions: tuple = ((64, 32, 0.85), (256, 8, 0.12), (512, 4, 0.03))
     lr: float = 2e-3
     min_lr_ratio: float = 0.03
     warmup_steps: int = 200
@@ -73,11 +75,12 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         dream = self.family == "dream"
+        bias = dream if self.qkv_bias is None else self.qkv_bias
         return ModelConfig(
             family=self.family, vocab_size=tok.vocab_size(), d_model=self.d_model,
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, rope_theta=10000.0,
-            norm_eps=1e-6 if dream else 1e-5, qkv_bias=dream, tie_embeddings=False,
+            norm_eps=1e-6 if dream else 1e-5, qkv_bias=bias, tie_embeddings=False,
             logit_shift=dream, max_seq_len=self.max_seq_len, dtype="float32",
             param_dtype="float32", **tok.special_ids())
 
