@@ -123,8 +123,8 @@ MIN_SOLVED = 4  # of 20 held-out problems (twice what guessing gets)
 def test_shipped_model_loads_and_solves_heldout_problems(name):
     """The shipped models load by name through the converted-folder path, write
     well-formed solutions (one working line per step with the right labels, then
-    "answer : N", then end-of-text), and solve held-out problems far above chance with
-    the vanilla sampler. Answers are 0..9, so guessing solves about 2 of 20; the
+    "answer : N", then end-of-text), and solve held-out problems above chance with the
+    vanilla sampler. Answers are 0..9, so guessing solves about 2 of 20; the
     project's bar of 12 of 20 is not met yet (the full evaluation is in each model
     card)."""
     import re

@@ -19,8 +19,8 @@ to a value in 0..9, or a copy) and the difficulty comes from the chain of depend
 Every word, number (0..99), label "(k)" and the newline is one token (see tokenizer.py).
 Each family has a fixed number of events (MATH_STEPS, CODE_STEPS), so all prompts of a
 family have the same length and the statement a working line reads sits at a fixed
-distance from that line: fetching it is a positional copy, which a small model learns
-early, and what remains to learn is the chain itself. Responses are 31 (math) and 50
+distance from that line: fetching it is a positional copy rather than a search by
+label, and what remains to learn is the chain itself. Responses are 31 (math) and 50
 (code) tokens; the rest of a 128..512-token canvas is end-of-text padding.
 
 Splits are fixed: the held-out split is drawn from its own seed, and the training stream
