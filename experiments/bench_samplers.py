@@ -36,8 +36,8 @@ def sampler_grid(family: str) -> list[tuple[str, str, dict]]:
     return grid
 
 
-def write_results(args, cfg, rows) -> None:
-    """Writes the rows so far to results/samplers_<model>.{json,md}."""
+def write_results(args, cfg, rows) -> pathlib.Path:
+    """Writes the rows so far to results/samplers_<model>.{json,md}; returns the .md path."""
     meta = {"model": args.model, "family": cfg.family, "n": args.n,
             "block_length": args.block_length, "batch_size": args.batch_size,
             "backend": jax.default_backend(), "machine": platform.machine()}
@@ -60,7 +60,7 @@ def write_results(args, cfg, rows) -> None:
             f"{r['speedup_vs_vanilla']:.2f}x | {r['nfe_per_token']:.3f} | "
             f"{r['nfe_per_row']:.1f} |")
     (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
-
+    return RESULTS / f"{stem}.md"
 
 
 def main():
@@ -92,8 +92,8 @@ def main():
                    "n": r["n"], "wall_s": r["wall_s"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-            write_results(args, cfg, rows)  # after every row: nothing lost if stopped
-    print((RESULTS / f"samplers_{args.model.replace('/', '_')}.md").read_text())
+            md = write_results(args, cfg, rows)  # after every row: nothing lost if stopped
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ def _span(r) -> str:
     return f"{r[0]}" if r[0] == r[1] else f"{r[0]}–{r[1]}"
 
 
-def _examples() -> list[str]:
-    """One training-split problem of each family, as prompt and response token lines."""
+def _examples(sample: list[tasks.Problem]) -> list[str]:
+    """The first problem of each family in `sample`, as prompt and response token lines."""
     from asynclane_jax.testbed import tokenizer as tok
 
     out = []
     for fam in tasks.FAMILIES:
-        p = next(q for q in tasks.split("train", 20) if q.family == fam)
+        p = next(q for q in sample if q.family == fam)
         resp = p.response.replace("\n", "\\n")
         out += [f"{fam:<6} {tok.USER} {p.prompt} {tok.ASSISTANT}",
                 f"       {resp} {tok.EOS} ..."]
@@ -64,7 +64,7 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            "## Task", "",
            "Two families, alternating in the held-out split (`asynclane_jax.testbed.tasks`); "
            "every number 0..99, word, label and newline is one token:", "",
-           "```", *_examples(), "```", "",
+           "```", *_examples(sample), "```", "",
            f"Math problems have {_span(tasks.MATH_STEPS)} events, programs "
            f"{_span(tasks.CODE_STEPS)} statements; values stay in "
            f"0..{tasks.MAX_VALUE}, operands 1..{tasks.MAX_OPERAND}; all prompts of a family "
