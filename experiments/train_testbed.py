@@ -31,6 +31,14 @@ def main(argv=None):
     ap.add_argument("--mlp-hidden", type=int, default=None)
     ap.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
                     help="q/k/v projection biases (default: Dream yes, LLaDA no)")
+    ap.add_argument("--t-max-start", type=float, default=None,
+                    help="mask-ratio curriculum: largest t at the start (default 0.25)")
+    ap.add_argument("--t-ramp", type=float, default=None,
+                    help="fraction of the budget over which t_max rises to 1 "
+                         "(default 0.2; 0 turns the curriculum off)")
+    ap.add_argument("--long-frac", type=float, default=None,
+                    help="share of batches with a 256/512-token response region "
+                         "(default 0.08)")
     ap.add_argument("--eval-every", type=float, default=600.0, help="seconds between monitors")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None, help="default: runs/<model>")
@@ -48,10 +56,20 @@ def main(argv=None):
     make = train.llada_config if args.model == "tiny-llada" else train.dream_config
     changes = {"minutes": args.minutes, "steps": args.steps, "eval_every_s": args.eval_every,
                "seed": args.seed}
-    for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias"):
+    for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias", "t_max_start",
+                  "t_ramp"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     tc = make(**changes)
+    if args.long_frac is not None:
+        if not 0.0 <= args.long_frac < 1.0:
+            ap.error("--long-frac must be in [0, 1)")
+        (short, rows, _), *long = tc.regions
+        total = sum(r[2] for r in long)
+        if not total:
+            ap.error("--long-frac: the configuration has no long batch shapes")
+        tc = dataclasses.replace(tc, regions=((short, rows, 1.0 - args.long_frac),) + tuple(
+            (r[0], r[1], args.long_frac * r[2] / total) for r in long))
 
     if args.time_steps:
         trainer = train.Trainer(tc)

@@ -29,6 +29,21 @@ def _examples(sample: list[tasks.Problem]) -> list[str]:
     return out
 
 
+def _curriculum(tc: dict) -> str:
+    if not tc.get("t_ramp"):
+        return ""
+    return (f" Mask-ratio curriculum: t ~ U(ε, t_max] with t_max rising linearly from "
+            f"{tc['t_max_start']:g} to 1 over the first {100 * tc['t_ramp']:g}% of the "
+            "budget, so that early batches mask few tokens.")
+
+
+def _curriculum_flags(tc: dict) -> str:
+    """The train_testbed.py flags that reproduce tc's curriculum and batch mix."""
+    flags = (f" --t-max-start {tc.get('t_max_start', 1.0):g}"
+             f" --t-ramp {tc.get('t_ramp', 0.0):g}")
+    return flags + f" --long-frac {1.0 - tc['regions'][0][2]:g}"
+
+
 def render(name: str, config: dict, log: dict, evals: list[dict],
            attempts: list[dict] | None = None, notes: str = "",
            hardware: str = "a 2-core CPU") -> str:
@@ -93,14 +108,14 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            f"budget to {tc['min_lr_ratio']}×, b2 {tc['b2']}, weight decay "
            f"{tc['weight_decay']}, clip {tc['clip_norm']}). Batch shapes (response region, "
            "rows, probability): " + ", ".join(f"{r[0]}×{r[1]} ({r[2]})" for r in tc["regions"])
-           + f"; prompts left-padded to {tc['prompt_length']}.", "",
+           + f"; prompts left-padded to {tc['prompt_length']}." + _curriculum(tc), "",
            f"Steps: {log['step']:,}; training time: {minutes:.1f} min of training steps "
            f"(monitoring excluded) on {hardware}. "
            "Command: `python experiments/train_testbed.py --model "
            f"{name} --minutes {tc['minutes']:g} --d-model {tc['d_model']} "
            f"--mlp-hidden {tc['mlp_hidden']}"
            + {True: " --qkv-bias", False: " --no-qkv-bias", None: ""}[tc.get("qkv_bias")]
-           + "`. Loss curve: "
+           + _curriculum_flags(tc) + "`. Loss curve: "
            f"`experiments/results/testbed_{name}.png`.", "",
            "## Held-out accuracy", "",
            "| sampler | gen length | problems | exact answer | math | code | lines exact | "

@@ -7,6 +7,12 @@ prompt is never masked. The response region is the answer followed by end-of-tex
 the end of the canvas — as LLaDA-Instruct is trained — so the model learns where to stop
 and to fill the tail with EOS.
 
+Mask-ratio curriculum (TrainConfig.t_max_start, t_ramp): early in the budget t is drawn
+from U(eps, t_max] with t_max rising linearly to 1, so early batches mask few tokens and
+each masked value mostly has its operands and the prompt statement in view. At this size
+it shortens the loss plateau on which both objectives otherwise sit while the model has
+learned the format but not yet to fetch values (experiments/results/testbed_summary.md).
+
 Dream variant (`logit_shift=True` in the model config): the token at position i is
 predicted from the output at i - 1, so the masked position i is scored with logits[i-1].
 
@@ -53,7 +59,7 @@ class TrainConfig:
     max_seq_len: int = 576  # covers a 32-token prompt bucket + a 512-token generation
     prompt_length: int = 28  # prompts are left-padded to this many tokens
     # (response region length, rows, probability) of each batch shape.
-    regions: tuple = ((64, 32, 0.85), (256, 8, 0.12), (512, 4, 0.03))
+    regions: tuple = ((64, 32, 0.92), (256, 8, 0.064), (512, 4, 0.016))
     lr: float = 2e-3
     min_lr_ratio: float = 0.03
     warmup_steps: int = 200
@@ -62,6 +68,10 @@ class TrainConfig:
     weight_decay: float = 0.05
     clip_norm: float = 1.0
     t_eps: float = 1e-3
+    # Mask-ratio curriculum: t ~ U(t_eps, t_max] with t_max rising linearly from
+    # t_max_start to 1 over the first t_ramp fraction of the budget (t_ramp 0: off).
+    t_max_start: float = 0.25
+    t_ramp: float = 0.2
     # Fraction of rows whose left padding is attended (robustness to decoders that do
     # not mask padding keys).
     attended_pad_frac: float = 0.25
@@ -132,17 +142,21 @@ def make_batch(stream, rows: int, region: int, prompt_length: int, rng: np.rando
 
 # --------------------------------------------------------------------------- objective
 
-def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3):
+def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3,
+                   t_max: float | jax.Array = 1.0):
     """LLaDA's masked-diffusion loss (Dream's when the model's config shifts logits).
 
+    t is drawn from U(t_eps, t_max]; t_max < 1 is the curriculum's early phase.
+
     Returns:
-      (loss, aux) with aux["acc"] the accuracy on masked positions.
+      (loss, aux) with aux["acc"] the accuracy on masked positions and aux["mask_frac"]
+      the share of response tokens masked.
     """
     cfg = model.cfg
     tokens, response = batch["tokens"], batch["response"]
     b, n = tokens.shape
     k_t, k_m = jax.random.split(key)
-    t = t_eps + (1.0 - t_eps) * jax.random.uniform(k_t, (b, 1))
+    t = t_eps + (t_max - t_eps) * jax.random.uniform(k_t, (b, 1))
     masked = response & (jax.random.uniform(k_m, (b, n)) < t)
     noisy = jnp.where(masked, cfg.mask_token_id, tokens)
     logits = model(noisy, key_mask=batch["key_mask"])
@@ -156,7 +170,8 @@ def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3):
     loss = jnp.sum(ce * m / t) / jnp.sum(response)
     correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
     acc = jnp.sum(correct * m) / jnp.maximum(jnp.sum(m), 1.0)
-    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)}
+    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
+                  "mask_frac": jnp.sum(m) / jnp.sum(response)}
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -176,10 +191,18 @@ def lr_at(tc: TrainConfig, step: int, progress: float) -> float:
     return tc.lr * warm * cos
 
 
+def t_max_at(tc: TrainConfig, progress: float) -> float:
+    """The curriculum's largest mask ratio at a point of the budget (1 when it is off)."""
+    if tc.t_ramp <= 0 or progress >= tc.t_ramp:
+        return 1.0
+    frac = max(progress, 0.0) / tc.t_ramp
+    return tc.t_max_start + (1.0 - tc.t_max_start) * frac
+
+
 def make_train_step(graphdef, tx, t_eps: float) -> Callable:
-    def step(params, opt_state, batch, key, lr):
+    def step(params, opt_state, batch, key, lr, t_max=1.0):
         def f(p):
-            return diffusion_loss(nnx.merge(graphdef, p), batch, key, t_eps)
+            return diffusion_loss(nnx.merge(graphdef, p), batch, key, t_eps, t_max)
 
         (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -306,16 +329,18 @@ class Trainer:
     def train_step(self) -> dict:
         batch = self.next_batch()
         lr = lr_at(self.tc, self.step, self.progress())
+        t_max = t_max_at(self.tc, self.progress())
         key = jax.random.fold_in(jax.random.key(self.tc.seed), self.step)
         t0 = time.perf_counter()
         self.params, self.opt_state, aux = self.step_fn(
             self.params, self.opt_state, {k: jnp.asarray(v) for k, v in batch.items()}, key,
-            jnp.float32(lr))
+            jnp.float32(lr), jnp.float32(t_max))
         aux = {k: float(v) for k, v in aux.items()}
         dt = time.perf_counter() - t0
         self.elapsed += dt
         self.step += 1
         rec = {"step": self.step, "t": round(self.elapsed, 2), "lr": lr,
+               "t_max": round(t_max, 4),
                "region": int(batch["tokens"].shape[1] - self.tc.prompt_length),
                **{k: round(v, 5) for k, v in aux.items()}}
         self.history.append(rec)
