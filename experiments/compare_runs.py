@@ -27,8 +27,7 @@ def windows(history: list[dict], every: int) -> list[dict]:
     out = []
     for start in range(0, len(history) - every + 1, every):
         w = history[start:start + every]
-        out.append({"step": w[-1]["step"], "minutes": w[-1]["t"] / 60,
-                    "ce": float(np.mean([h["ce"] for h in w])),
+        out.append({"step": w[-1]["step"], "ce": float(np.mean([h["ce"] for h in w])),
                     "acc": float(np.mean([h["acc"] for h in w])),
                     "t_max": w[-1].get("t_max", 1.0)})
     return out

@@ -62,14 +62,10 @@ def main(argv=None):
             changes[field] = getattr(args, field)
     tc = make(**changes)
     if args.long_frac is not None:
-        if not 0.0 <= args.long_frac < 1.0:
-            ap.error("--long-frac must be in [0, 1)")
-        (short, rows, _), *long = tc.regions
-        total = sum(r[2] for r in long)
-        if not total:
-            ap.error("--long-frac: the configuration has no long batch shapes")
-        tc = dataclasses.replace(tc, regions=((short, rows, 1.0 - args.long_frac),) + tuple(
-            (r[0], r[1], args.long_frac * r[2] / total) for r in long))
+        try:
+            tc = tc.with_long_frac(args.long_frac)
+        except ValueError as e:
+            ap.error(f"--long-frac: {e}")
 
     if args.time_steps:
         trainer = train.Trainer(tc)

@@ -41,7 +41,9 @@ def _curriculum_flags(tc: dict) -> str:
     """The train_testbed.py flags that reproduce tc's curriculum and batch mix."""
     flags = (f" --t-max-start {tc.get('t_max_start', 1.0):g}"
              f" --t-ramp {tc.get('t_ramp', 0.0):g}")
-    return flags + f" --long-frac {1.0 - tc['regions'][0][2]:g}"
+    from asynclane_jax.testbed.train import long_frac
+
+    return flags + f" --long-frac {long_frac(tc['regions']):g}"
 
 
 def render(name: str, config: dict, log: dict, evals: list[dict],

@@ -94,10 +94,28 @@ class TrainConfig:
             logit_shift=dream, max_seq_len=self.max_seq_len, dtype="float32",
             param_dtype="float32", **tok.special_ids())
 
+    def with_long_frac(self, frac: float) -> TrainConfig:
+        """A copy whose long regions together get probability `frac`, keeping their
+        proportions to each other; the short (first) region gets the rest."""
+        if not 0.0 <= frac < 1.0:
+            raise ValueError(f"long fraction {frac}: expected a value in [0, 1)")
+        (short, rows, _), *long = self.regions
+        total = sum(r[2] for r in long)
+        if not total:
+            raise ValueError("the configuration has no long batch shapes")
+        return dataclasses.replace(self, regions=((short, rows, 1.0 - frac),) + tuple(
+            (r[0], r[1], frac * r[2] / total) for r in long))
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["regions"] = [list(r) for r in self.regions]
         return d
+
+
+def long_frac(regions) -> float:
+    """Share of batches with a long response region, for TrainConfig.regions or its
+    saved (list) form."""
+    return 1.0 - regions[0][2]
 
 
 def llada_config(**changes) -> TrainConfig:
@@ -328,8 +346,9 @@ class Trainer:
 
     def train_step(self) -> dict:
         batch = self.next_batch()
-        lr = lr_at(self.tc, self.step, self.progress())
-        t_max = t_max_at(self.tc, self.progress())
+        progress = self.progress()
+        lr = lr_at(self.tc, self.step, progress)
+        t_max = t_max_at(self.tc, progress)
         key = jax.random.fold_in(jax.random.key(self.tc.seed), self.step)
         t0 = time.perf_counter()
         self.params, self.opt_state, aux = self.step_fn(
