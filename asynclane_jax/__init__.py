@@ -6,7 +6,13 @@ Public API:
   ModelConfig, preset(name), from_hf_config(dict), init_model(cfg)
 """
 
-from asynclane_jax.checkpoint import CheckpointError, load, save, shipped_models
+from asynclane_jax.checkpoint import (
+    CheckpointError,
+    load,
+    register_shipped,
+    save,
+    shipped_models,
+)
 from asynclane_jax.models import (
     ConfigError,
     DiffusionLM,
@@ -23,7 +29,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # The decoding package pulls in more modules; import it on first use.
-    if name in ("generate", "GenerationResult"):
+    if name in ("generate", "GenerationResult", "DecodeStats"):
         from asynclane_jax import decoding
 
         return getattr(decoding, name)
@@ -31,7 +37,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DiffusionLM", "KVCache", "ModelConfig",
+    "CheckpointError", "ConfigError", "DecodeStats", "DiffusionLM", "KVCache", "ModelConfig",
     "from_hf_config", "generate", "GenerationResult", "init_model", "load", "param_stats",
-    "preset", "save", "shipped_models",
+    "preset", "register_shipped", "save", "shipped_models",
 ]

@@ -2,7 +2,8 @@
 
 Subcommands:
   info      parameter counts of a preset or converted folder (no weights allocated)
-  convert   Hugging Face LLaDA / Dream checkpoint -> converted folder (checkpoints_convert)
+  convert   Hugging Face LLaDA / Dream checkpoint -> converted folder (registered by
+            checkpoints_convert through the `asynclane_jax.commands` entry points)
   generate  decode a prompt with a sampler
   eval      accuracy and speed of a sampler on the testbed's held-out problems
 
@@ -15,18 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 
-from asynclane_jax.checkpoint import CheckpointError
-from asynclane_jax.decoding.policy import SamplerError
-from asynclane_jax.models.config import PRESETS, ConfigError
+from asynclane_jax import generate_cli
+from asynclane_jax.errors import USER_ERRORS, UsageError
+from asynclane_jax.models.config import PRESETS
 
-
-class UsageError(ValueError):
-    """A bad command-line request; printed without a traceback."""
-
-
-USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, ConfigError, CheckpointError,
-                                                SamplerError, FileNotFoundError)
+# Other installed packages add subcommands through this entry-point group (the
+# converter registers `convert`), so this module imports none of them by name.
+COMMANDS_GROUP = "asynclane_jax.commands"
 
 
 def _cmd_info(args) -> int:
@@ -56,18 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_info)
 
-    _register_optional(sub)
-    return parser
-
-
-def _register_optional(sub) -> None:
-    """Subcommands that live in their own modules."""
-    from checkpoints_convert import cli as convert_cli
-
-    convert_cli.register(sub)
-    from asynclane_jax import generate_cli
-
     generate_cli.register(sub)
+    for entry in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry.load()(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,57 +1,127 @@
-"""`asynclane-jax generate` and `asynclane-jax eval`."""
+"""`asynclane-jax generate` and `asynclane-jax eval`.
+
+Sampler options are not listed here: every option of every registered sampler becomes a
+flag (`--relaxed-threshold`), with its type and help taken from the schedule's dataclass
+field and docstring (asynclane_jax.decoding.schedule).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+
+from asynclane_jax.errors import UsageError
 
 DEFAULT_MODEL = "tiny-llada"
-# The fastest sampler available; AsyncLane replaces it when it lands.
+# The fastest sampler available, with its fastest setting.
 DEFAULT_SAMPLER = "fast-dllm"
 DEFAULT_SAMPLER_OPTIONS = {"fast-dllm": {"cache": "dual"}}
 
-_OPTION_TYPES = {
-    "steps": int, "remasking": str, "temperature": float, "cfg_scale": float,
-    "alg": str, "alg_temp": float, "top_p": float, "top_k": int, "eps": float,
-    "threshold": float, "factor": float, "cache": str, "relaxed_threshold": float,
-    "radius": int,
-}
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def sampler_options() -> dict[str, dict]:
+    """Every sampler option: name -> {"type", "help" and "defaults" (per sampler),
+    "samplers"}."""
+    from asynclane_jax.decoding.schedule import (
+        option_docs,
+        option_fields,
+        option_type,
+        registry,
+    )
+
+    options: dict[str, dict] = {}
+    for sampler, cls in registry().items():
+        docs = option_docs(cls)
+        for name, field in option_fields(cls).items():
+            typ = option_type(cls, name)
+            entry = options.setdefault(name, {"type": typ, "help": {}, "samplers": [],
+                                              "defaults": {}})
+            if entry["type"] is not typ:
+                raise TypeError(f"option {name!r} has type {entry['type'].__name__} in "
+                                f"{entry['samplers']} but {typ.__name__} in {sampler}")
+            entry["samplers"].append(sampler)
+            entry["help"][sampler] = docs.get(name, "")
+            entry["defaults"][sampler] = field.default
+    return options
 
 
 def _add_sampler_args(p) -> None:
+    from asynclane_jax.decoding.schedule import registry
+
+    names = registry()
+    lines = [f"{n}: {(c.__doc__ or '').strip().splitlines()[0]}" for n, c in names.items()]
     p.add_argument("--sampler", default=None,
-                   help=f"vanilla | dream | fast-dllm | localleap (default {DEFAULT_SAMPLER})")
+                   help=f"default {DEFAULT_SAMPLER} {DEFAULT_SAMPLER_OPTIONS[DEFAULT_SAMPLER]}. "
+                        + "; ".join(lines))
     p.add_argument("--gen-length", type=int, default=None, help="tokens to generate")
-    p.add_argument("--block-length", type=int, default=None, help="block size")
     p.add_argument("--seed", type=int, default=0)
-    for name, typ in _OPTION_TYPES.items():
-        p.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=typ,
-                       default=None, help=f"sampler option {name}")
+    group = p.add_argument_group("sampler options (each sampler accepts its own)")
+    for name, opt in sampler_options().items():
+        defaults = ", ".join(f"{s} {d}" for s, d in opt["defaults"].items())
+        docs = set(opt["help"].values())
+        doc = (docs.pop() if len(docs) == 1 else
+               "; ".join(f"{s}: {d}" for s, d in opt["help"].items()))
+        typ = _parse_bool if opt["type"] is bool else opt["type"]
+        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=typ,
+                           default=None, metavar=opt["type"].__name__.upper(),
+                           help=f"{doc} (default: {defaults})".replace("%", "%%"))
 
 
-def _sampler_options(args) -> tuple[str, dict]:
-    from asynclane_jax.decoding import SAMPLERS
+def _sampler_and_options(args) -> tuple[str, dict]:
+    from asynclane_jax.decoding.schedule import registry
 
     sampler = args.sampler or DEFAULT_SAMPLER
     opts = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     if args.sampler is None:
         opts = {**DEFAULT_SAMPLER_OPTIONS.get(sampler, {}), **opts}
-    if sampler not in SAMPLERS:
-        from asynclane_jax.cli import UsageError
-
-        raise UsageError(f"unknown sampler {sampler!r}; available: {sorted(SAMPLERS)}")
+    samplers = registry()
+    if sampler not in samplers:
+        raise UsageError(f"unknown sampler {sampler!r}; available: {sorted(samplers)}")
     return sampler, opts
+
+
+def _gen_length(args, default: int) -> int:
+    if args.gen_length is None:
+        return default
+    if args.gen_length <= 0:
+        raise UsageError(f"--gen-length {args.gen_length}: must be a positive number of tokens")
+    return args.gen_length
+
+
+def unknown_words(tokenizer, text: str) -> list[str]:
+    """The pieces of text the tokenizer can only read as its unknown token."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [text[a:b] for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+            if t == unk]
 
 
 def _cmd_generate(args) -> int:
     import asynclane_jax
-    from asynclane_jax.cli import UsageError
 
+    gen_length = _gen_length(args, 128)
+    sampler, opts = _sampler_and_options(args)
     model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL)
-    sampler, opts = _sampler_options(args)
-    gen_length = args.gen_length or 128
     if tokenizer is None:
         raise UsageError(f"model {args.model} has no tokenizer; use the Python API with "
                          "token ids")
+    unknown = unknown_words(tokenizer, args.prompt)
+    if unknown:
+        shown = ", ".join(repr(w) for w in dict.fromkeys(unknown))
+        print(f"asynclane-jax generate: warning: {len(unknown)} word(s) of the prompt are "
+              f"outside the model's vocabulary and read as {tokenizer.unk_token}: {shown}",
+              file=sys.stderr)
     prompt = args.prompt
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -62,19 +132,20 @@ def _cmd_generate(args) -> int:
     if not ids:
         raise UsageError("the prompt is empty after tokenization")
     res = asynclane_jax.generate(model, [list(ids)], sampler=sampler, gen_length=gen_length,
-                                 block_length=args.block_length, tokenizer=tokenizer,
-                                 seed=args.seed, **opts)
+                                 tokenizer=tokenizer, seed=args.seed, **opts)
     stats = res.stats
     if args.json:
-        out_stats = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in stats.items()}
         print(json.dumps({"text": res.text[0], "tokens": res.tokens[0].tolist(),
-                          "stats": out_stats}))
+                          "stats": stats.to_dict()}))
     else:
         print(res.text[0], flush=True)
         n = stats["generated_tokens"][0]
-        print(f"[{sampler}: {n} tokens, {stats['steps']} steps, {stats['nfe_full']} full + "
-              f"{stats['nfe_partial']} cached calls, {stats['wall_time']:.2f}s incl. "
-              f"compilation]", file=__import__("sys").stderr)
+        if not res.text[0].strip():
+            print("asynclane-jax generate: the model generated no text (it ended at once)",
+                  file=sys.stderr)
+        print(f"[{sampler}: {n} tokens, {stats.steps} steps, {stats.nfe_full} full + "
+              f"{stats.nfe_partial} cached calls, {stats.decode_time:.2f}s decoding + "
+              f"{stats.compile_time:.2f}s compiling]", file=sys.stderr)
     return 0
 
 
@@ -82,10 +153,13 @@ def _cmd_eval(args) -> int:
     import asynclane_jax
     from asynclane_jax.testbed.evaluate import evaluate
 
+    if args.n <= 0:
+        raise UsageError(f"--n {args.n}: must be a positive number of problems")
+    gen_length = _gen_length(args, 256)
+    sampler, opts = _sampler_and_options(args)
     model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL)
-    sampler, opts = _sampler_options(args)
-    result = evaluate(model, tokenizer, sampler=sampler, gen_length=args.gen_length or 256,
-                      block_length=args.block_length, n=args.n, **opts)
+    result = evaluate(model, tokenizer, sampler=sampler, gen_length=gen_length, n=args.n,
+                      progress=not args.json and sys.stderr.isatty(), **opts)
     if args.json:
         print(json.dumps(result))
     else:

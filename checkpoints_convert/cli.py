@@ -7,17 +7,12 @@ import contextlib
 import signal
 import sys
 
-from asynclane_jax.checkpoint import CheckpointError
-from asynclane_jax.models.config import ConfigError
+from asynclane_jax.errors import USER_ERRORS
 from checkpoints_convert.convert import OUTPUT_DTYPES
 
 DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint (optionally with a "
                "PEFT LoRA adapter merged in) into an asynclane-jax folder: streaming, atomic, "
                "verified.")
-
-# Errors a user can cause; printed in one line, exit status 2 (CheckpointError covers
-# ConvertError).
-USER_ERRORS = (ConfigError, CheckpointError, FileNotFoundError)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Adds the `convert` subcommand to the asynclane-jax command line."""
+    """Adds the `convert` subcommand to the asynclane-jax command line (through the
+    `asynclane_jax.commands` entry point in pyproject.toml)."""
     p = subparsers.add_parser("convert", help="Hugging Face LLaDA / Dream checkpoint -> "
                                               "converted folder", description=DESCRIPTION)
     add_arguments(p)

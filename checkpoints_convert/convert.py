@@ -31,8 +31,15 @@ from checkpoints_convert import reader
 from checkpoints_convert.names import Assignment, ConvertError, path_str, plan
 
 OUTPUT_DTYPES = ("bfloat16", "float32")
-_NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
-              "float16": np.dtype(np.float16)}
+# Parameter dtype name -> numpy dtype of the stored arrays (bfloat16 from ml_dtypes).
+NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32),
+             "float16": np.dtype(np.float16)}
+
+
+# End-of-turn tokens of the supported chat models: LLaDA-8B-Instruct's Llama-3-style
+# "<|eot_id|>" (126348) and Dream-v0-Instruct-7B's Qwen2 "<|im_end|>" (151645). Their
+# config.json files do not name them; their tokenizers and chat templates do.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +86,29 @@ def params_from_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> 
     `nnx.replace_by_pure_dict` (layer keys are ints).
     """
     assignments = plan(cfg, {n: np.shape(t) for n, t in tensors.items()})
-    dtype = _NP_DTYPES[cfg.param_dtype]
+    dtype = NP_DTYPES[cfg.param_dtype]
     params: dict = {}
     for name, a in assignments.items():
         _set(params, a.target, to_output(np.asarray(tensors[name]), a, dtype))
     return params
+
+
+def end_of_turn_from_tokenizer(folder: pathlib.Path, cfg: ModelConfig) -> int | None:
+    """The end-of-turn id a chat snapshot's tokenizer files declare, or None.
+
+    A token counts if it is one of END_OF_TURN_TOKENS, declared as an added token, within
+    the vocabulary, and used by a chat template of the snapshot: a base model whose
+    tokenizer merely reserves the token (and has no template using it) gets none, as its
+    preset does.
+    """
+    tokens = reader.added_tokens(folder)
+    templates = reader.chat_templates(folder)
+    for content in END_OF_TURN_TOKENS:
+        token_id = tokens.get(content)
+        if (token_id is not None and 0 <= token_id < cfg.vocab_size
+                and any(content in t for t in templates)):
+            return token_id
+    return None
 
 
 def _check_destination(src: pathlib.Path, dst: pathlib.Path, force: bool) -> None:
@@ -112,9 +137,13 @@ def prepare(src: str, *, dtype: str | None = None, lora: str | None = None,
     folder = reader.resolve_source(src, cache_dir=cache_dir)
     snap = reader.open_snapshot(folder)
     out_dtype = dtype or snap.float_dtype()
-    if out_dtype not in _NP_DTYPES:
+    if out_dtype not in NP_DTYPES:
         out_dtype = "float32"
     cfg = from_hf_config(snap.hf_config, dtype=out_dtype)
+    if cfg.eot_token_id is None:
+        # Instruct models end a turn with a token their config.json does not name; without
+        # it, generation would run on past the answer where the authors' code stops.
+        cfg = cfg.replace(eot_token_id=end_of_turn_from_tokenizer(snap.folder, cfg))
     adapter = lora_mod.load_adapter(lora) if lora else None
     shapes = {n: t.shape for n, t in snap.tensors.items()}
     lora_problems = lora_mod.check_against(adapter, shapes) if adapter else []
@@ -158,7 +187,7 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
         raise ConvertError(f"output {dst} already exists; pass --force to replace it")
     snap, cfg, assignments, adapter = prepare(src, dtype=dtype, lora=lora, cache_dir=cache_dir)
     _check_destination(snap.folder, dst, force)
-    out_dtype = _NP_DTYPES[cfg.param_dtype]
+    out_dtype = NP_DTYPES[cfg.param_dtype]
     total = sum(snap.tensors[n].nbytes for n in assignments)
 
     from tqdm import tqdm

@@ -6,6 +6,9 @@ adapter_model.safetensors (or .bin) with keys such as
 `...lora_B.weight` [out, r]. The merged weight is W + s * B @ A with s = alpha / r
 (alpha / sqrt(r) under rsLoRA), computed in float32 and cast once to the output dtype.
 This is how the published D2F students (LoRA adapters over LLaDA / Dream) are run.
+An adapter that targets an embedding-like layer (Dream's lm_head) also holds PEFT's copy
+of that base weight, `...lm_head.base_layer.weight`; it is compared with the base
+checkpoint's tensor and otherwise ignored.
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ import pathlib
 import re
 from collections.abc import Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from checkpoints_convert import reader
 from checkpoints_convert.names import ConvertError
 
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight")
+# PEFT also saves the frozen base weight of a targeted output / input embedding layer
+# (lm_head, embed_tokens) as `<module>.base_layer.weight`: a copy of the base checkpoint's
+# tensor, checked against it, never merged.
+_BASE_COPY = re.compile(r"base_model\.model\.(?P<module>.+)\.base_layer\.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +39,7 @@ class LoraPair:
     a: reader.TensorInfo  # [r, in]
     b: reader.TensorInfo  # [out, r]
     scale: float
+    base_copy: reader.TensorInfo | None = None  # PEFT's copy of the base weight, if saved
 
 
 @dataclasses.dataclass
@@ -39,6 +48,9 @@ class LoraAdapter:
     config: dict
     pairs: dict[str, LoraPair]  # base tensor name -> pair
     kind: str  # "safetensors" or "bin"
+    # The loaded adapter_model.bin (name -> torch tensor, memory-mapped where torch can):
+    # a pickle cannot be read one tensor at a time, so it is loaded once, not per tensor.
+    state: dict | None = dataclasses.field(default=None, repr=False)
 
     def delta(self, base: str) -> np.ndarray:
         """s * B @ A in float32, shaped like the base weight [out, in]."""
@@ -47,20 +59,39 @@ class LoraAdapter:
         return np.float32(pair.scale) * (b.astype(np.float32) @ a.astype(np.float32))
 
     def merge(self, base: str, weight: np.ndarray) -> np.ndarray:
-        """The merged weight in float32."""
+        """The merged weight in float32.
+
+        Raises:
+          ConvertError if the adapter holds a copy of this base weight (PEFT's
+          `base_layer.weight`) that differs from `weight`: it was trained over another base.
+        """
+        copy = self.pairs[base].base_copy
+        if copy is not None:
+            _check_base_copy(base, weight, self._read(copy))
         return weight.astype(np.float32) + self.delta(base)
 
     def _read(self, info: reader.TensorInfo) -> np.ndarray:
         if self.kind == "safetensors":
             with open(info.shard, "rb") as f:
-                return reader._read_at(f, info)
-        return reader.torch_to_numpy(reader._torch_load(info.shard)[info.name])
+                return reader.read_at(f, info)
+        return reader.torch_to_numpy(self.state[info.name])
 
     def summary(self) -> dict:
         c = self.config
         return {"path": str(self.folder), "r": c.get("r"), "lora_alpha": c.get("lora_alpha"),
                 "use_rslora": bool(c.get("use_rslora")), "merged_tensors": len(self.pairs),
                 "base_model_name_or_path": c.get("base_model_name_or_path")}
+
+
+def _check_base_copy(base: str, weight: np.ndarray, copy: np.ndarray) -> None:
+    # Equal up to the rounding of the coarser of the two dtypes: a float32 base may have
+    # been trained over in bfloat16, and the copy saved in that dtype.
+    eps = max(float(ml_dtypes.finfo(weight.dtype).eps), float(ml_dtypes.finfo(copy.dtype).eps))
+    w, c = weight.astype(np.float32), copy.astype(np.float32)
+    if w.shape != c.shape or not np.all(np.abs(w - c) <= eps * np.abs(w)):
+        raise ConvertError(f"the LoRA adapter's copy of {base} (base_layer.weight) differs "
+                           "from the checkpoint's: the adapter was trained over another base "
+                           "model; nothing was written")
 
 
 def _pattern_value(patterns: Mapping[str, float] | None, module: str, default):
@@ -72,11 +103,15 @@ def _pattern_value(patterns: Mapping[str, float] | None, module: str, default):
 
 
 def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
-    """Reads and validates a PEFT LoRA adapter folder (tensor data is read later).
+    """Reads and validates a PEFT LoRA adapter folder.
+
+    Safetensors data is read later, tensor by tensor; an adapter_model.bin is loaded
+    once here and kept (memory-mapped where torch can) for the merge.
 
     Raises:
       ConvertError for a missing folder or file, an unsupported adapter variant (DoRA,
-      trained biases, modules_to_save, non-LoRA PEFT types), or unpaired tensors.
+      activated LoRA, trained biases, modules_to_save, non-LoRA PEFT types), or unpaired
+      tensors.
     """
     folder = pathlib.Path(folder).expanduser()
     if not folder.is_dir():
@@ -98,6 +133,11 @@ def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
         problems.append("fan_in_fan_out=true (Conv1D-style layers are not supported)")
     if config.get("bias", "none") != "none":
         problems.append(f"bias={config.get('bias')!r} (only 'none' is supported)")
+    if config.get("alora_invocation_tokens") is not None:
+        # Activated LoRA applies only after its invocation tokens appear; merged into the
+        # weights it would apply everywhere (PEFT refuses to merge it too).
+        problems.append(f"alora_invocation_tokens={config.get('alora_invocation_tokens')} "
+                        "(activated LoRA cannot be merged into the weights)")
     if config.get("modules_to_save"):
         problems.append(f"modules_to_save={config.get('modules_to_save')} (fully trained "
                         "extra modules are not supported)")
@@ -108,23 +148,30 @@ def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
     if problems:
         raise ConvertError(f"unsupported LoRA adapter {folder}: " + "; ".join(problems))
 
+    state = None
     if (folder / "adapter_model.safetensors").is_file():
         kind, path = "safetensors", folder / "adapter_model.safetensors"
         infos = reader.read_safetensors_header(path)
     elif (folder / "adapter_model.bin").is_file():
         kind, path = "bin", folder / "adapter_model.bin"
-        infos = reader._bin_listing(path)
+        state = reader.torch_load(path)
+        infos = reader.bin_infos(path, state)
     else:
         raise ConvertError(f"no adapter_model.safetensors or adapter_model.bin in {folder}")
 
     halves: dict[str, dict[str, reader.TensorInfo]] = {}
+    copies: dict[str, reader.TensorInfo] = {}
     unknown = []
     for info in infos:
         m = _KEY.fullmatch(info.name)
-        if m is None:
+        if m is not None:
+            halves.setdefault(m["module"], {})[m["ab"]] = info
+        elif (c := _BASE_COPY.fullmatch(info.name)) is not None:
+            copies[c["module"]] = info
+        else:
             unknown.append(info.name)
-            continue
-        halves.setdefault(m["module"], {})[m["ab"]] = info
+    # A base copy is only expected beside a LoRA pair on the same module.
+    unknown += sorted(info.name for module, info in copies.items() if module not in halves)
     unpaired = sorted(mod for mod, h in halves.items() if set(h) != {"A", "B"})
     if unknown or unpaired:
         raise ConvertError(
@@ -138,8 +185,9 @@ def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
         rank = _pattern_value(config.get("rank_pattern"), module, r)
         a_alpha = _pattern_value(config.get("alpha_pattern"), module, alpha)
         scale = a_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
-        pairs[f"{module}.weight"] = LoraPair(f"{module}.weight", h["A"], h["B"], float(scale))
-    return LoraAdapter(folder, config, pairs, kind)
+        pairs[f"{module}.weight"] = LoraPair(f"{module}.weight", h["A"], h["B"], float(scale),
+                                             copies.get(module))
+    return LoraAdapter(folder, config, pairs, kind, state)
 
 
 def check_against(adapter: LoraAdapter, base_shapes: Mapping[str, Sequence[int]]) -> list[str]:
@@ -155,4 +203,7 @@ def check_against(adapter: LoraAdapter, base_shapes: Mapping[str, Sequence[int]]
                 or pair.b.shape != (shape[0], rank) or pair.a.shape != (rank, shape[1])):
             problems.append(f"LoRA shapes for {base}: A {list(pair.a.shape)}, B "
                             f"{list(pair.b.shape)} do not fit the weight {list(shape)}")
+        if pair.base_copy is not None and pair.base_copy.shape != shape:
+            problems.append(f"the adapter's copy of {base} (base_layer.weight) has shape "
+                            f"{list(pair.base_copy.shape)}, the checkpoint's {list(shape)}")
     return problems

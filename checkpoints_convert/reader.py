@@ -81,9 +81,9 @@ class Snapshot:
             if self.kind == "safetensors":
                 with open(shard, "rb") as f:
                     for info in sorted(infos, key=lambda t: t.offset):
-                        yield info, _read_at(f, info)
+                        yield info, read_at(f, info)
             else:
-                state = _torch_load(shard)
+                state = torch_load(shard)
                 for info in infos:
                     yield info, torch_to_numpy(state.pop(info.name))
                 del state
@@ -137,6 +137,54 @@ def read_hf_config(folder: pathlib.Path) -> dict:
     return data
 
 
+def _json_file(path: pathlib.Path):
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path} is not valid JSON: {e}") from None
+
+
+def added_tokens(folder: pathlib.Path) -> dict[str, int]:
+    """The added (special) tokens the snapshot's tokenizer files declare: content -> id.
+
+    Read from tokenizer.json ("added_tokens"), tokenizer_config.json
+    ("added_tokens_decoder") and added_tokens.json; where they disagree, tokenizer.json
+    wins, as it is what a converted folder's tokenizer is built from.
+    """
+    out: dict[str, int] = {}
+    listing = _json_file(folder / "added_tokens.json")
+    if isinstance(listing, dict):
+        out.update({str(c): int(i) for c, i in listing.items() if isinstance(i, int)})
+    tok_cfg = _json_file(folder / "tokenizer_config.json")
+    decoder = tok_cfg.get("added_tokens_decoder") if isinstance(tok_cfg, dict) else None
+    if isinstance(decoder, dict):
+        out.update({t["content"]: int(i) for i, t in decoder.items()
+                    if isinstance(t, dict) and isinstance(t.get("content"), str)
+                    and str(i).isdigit()})
+    tok = _json_file(folder / "tokenizer.json")
+    for t in (tok.get("added_tokens") or []) if isinstance(tok, dict) else []:
+        if isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(
+                t.get("id"), int):
+            out[t["content"]] = t["id"]
+    return out
+
+
+def chat_templates(folder: pathlib.Path) -> list[str]:
+    """The snapshot's chat templates (tokenizer_config.json's, named ones, and
+    chat_template.jinja), as text; empty for a model without any."""
+    out = []
+    tok_cfg = _json_file(folder / "tokenizer_config.json")
+    template = tok_cfg.get("chat_template") if isinstance(tok_cfg, dict) else None
+    if isinstance(template, str):
+        out.append(template)
+    elif isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        out += [t["template"] for t in template
+                if isinstance(t, dict) and isinstance(t.get("template"), str)]
+    if (folder / "chat_template.jinja").is_file():
+        out.append((folder / "chat_template.jinja").read_text())
+    return out
+
+
 def open_snapshot(folder: pathlib.Path) -> Snapshot:
     """Lists the snapshot's tensors from shard headers (no tensor data is read).
 
@@ -150,7 +198,7 @@ def open_snapshot(folder: pathlib.Path) -> Snapshot:
     duplicates: list[str] = []
     for shard in shards:
         infos = (read_safetensors_header(shard) if kind == "safetensors"
-                 else _bin_listing(shard))
+                 else bin_listing(shard))
         for info in infos:
             if info.name in tensors:
                 duplicates.append(f"{info.name} (in {tensors[info.name].shard.name} and "
@@ -249,7 +297,17 @@ def read_safetensors_header(path: pathlib.Path) -> list[TensorInfo]:
     return infos
 
 
-def _read_at(f, info: TensorInfo) -> np.ndarray:
+def read_at(f, info: TensorInfo) -> np.ndarray:
+    """Reads one safetensors tensor from an open binary file into a new array.
+
+    Args:
+      f: the shard `info.shard`, opened "rb".
+      info: the tensor's listing (from `read_safetensors_header`).
+    Returns:
+      The array, in the stored dtype and shape.
+    Raises:
+      ConvertError if the file ends before the tensor does.
+    """
     out = np.empty(info.shape, info.dtype)
     f.seek(info.offset)
     got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
@@ -261,7 +319,15 @@ def _read_at(f, info: TensorInfo) -> np.ndarray:
 
 # --------------------------------------------------------------------------- torch .bin
 
-def _torch_load(path: pathlib.Path) -> dict:
+def torch_load(path: pathlib.Path) -> dict:
+    """A PyTorch `.bin` state dict, read with weights_only=True (memory-mapped if possible).
+
+    Returns:
+      name -> torch.Tensor.
+    Raises:
+      ConvertError without torch, for an unreadable file, or for anything but a flat
+      dict of named tensors.
+    """
     try:
         import torch
     except ImportError:
@@ -284,12 +350,15 @@ def _torch_load(path: pathlib.Path) -> dict:
     return state
 
 
-def _bin_listing(path: pathlib.Path) -> list[TensorInfo]:
-    state = _torch_load(path)
-    out = [TensorInfo(name, tuple(t.shape), torch_dtype_to_numpy(t.dtype), path)
-           for name, t in state.items()]
-    del state
-    return out
+def bin_listing(path: pathlib.Path) -> list[TensorInfo]:
+    """The tensors of a `.bin` shard (the file is loaded, then dropped)."""
+    return bin_infos(path, torch_load(path))
+
+
+def bin_infos(path: pathlib.Path, state: dict) -> list[TensorInfo]:
+    """TensorInfo for each tensor of a state dict loaded from `path` by `torch_load`."""
+    return [TensorInfo(name, tuple(t.shape), torch_dtype_to_numpy(t.dtype), path)
+            for name, t in state.items()]
 
 
 def torch_dtype_to_numpy(dtype) -> np.dtype:

@@ -40,10 +40,14 @@ _LLADA_TO_LLAMA = (
 
 
 def family_of(hf_config: Mapping) -> str:
-    model_type = str(hf_config.get("model_type", "")).lower()
-    if model_type in ("llada", "dream"):
-        return model_type
-    raise ValueError(f"no reference for model_type {hf_config.get('model_type')!r}")
+    """The family of a config.json, by the converter's own exact detection.
+
+    Raises:
+      ConfigError (a ValueError) for any other model_type or architecture.
+    """
+    from asynclane_jax.models.config import hf_family
+
+    return hf_family(hf_config)
 
 
 def reference_name(family: str, name: str) -> str | None:
@@ -200,12 +204,12 @@ def verify_converted(snapshot, dst, *, adapter=None, out_dtype: str,
     import jax
 
     from asynclane_jax.checkpoint import load, read_config
-    from checkpoints_convert.convert import _NP_DTYPES
+    from checkpoints_convert.convert import NP_DTYPES
 
     cfg, _ = read_config(dst)
     n_params = sum(int(np.prod(t.shape)) for t in snapshot.tensors.values())
     compute = compute_dtype or ("float32" if n_params <= 2e9 else "bfloat16")
-    store = _NP_DTYPES[out_dtype]
+    store = NP_DTYPES[out_dtype]
 
     def stream():
         for info, array in snapshot.iter_tensors():

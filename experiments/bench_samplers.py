@@ -82,7 +82,7 @@ def main():
             block = None if sampler == "dream" else args.block_length
             r = evaluate(model, tokenizer, sampler=sampler, gen_length=g, n=args.n,
                          batch_size=args.batch_size, block_length=block, **opts)
-            tps = r["tps_excluding_compile"]
+            tps = r["tps"]
             if sampler == "vanilla":
                 base_tps = tps
             row = {"gen_length": g, "sampler": label, "accuracy": r["accuracy"],

@@ -74,3 +74,38 @@ def test_info_on_a_converted_folder(model_dir, capsys):
     assert out["params"] == sum(
         v.size for v in __import__("jax").tree.leaves(checkpoint.params_to_numpy(
             checkpoint.load_model(model_dir))))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "ann has 7 coins .", "--gen-length", "0"], "--gen-length 0: must be positive"),
+    (["eval", "--n", "0"], "--n 0: must be a positive number"),
+])
+def test_zero_lengths_are_one_line_errors(model_dir, capsys, argv, needle):
+    rc = main([*argv, "--model", str(model_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle.replace(": must be positive", "") in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_words_outside_the_vocabulary_are_named(model_dir, capsys):
+    rc = main(["generate", "What is 12 plus 30 ?", "--model", str(model_dir),
+               "--gen-length", "16", "--block-length", "8"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    assert "outside the model's vocabulary" in err
+    assert "'What'" in err and "'plus'" in err and "'12'" not in err
+
+
+def test_every_sampler_option_is_a_flag(capsys):
+    """The CLI's sampler flags come from the schedules' fields, with their docs."""
+    from asynclane_jax.decoding.schedule import option_docs, option_fields, registry
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for cls in registry().values():
+        docs = option_docs(cls)
+        for name in option_fields(cls):
+            assert "--" + name.replace("_", "-") in help_text, name
+            assert docs.get(name), f"{cls.name}.{name} has no docstring entry"
+            assert " ".join(docs[name].split()[:4]) in help_text, name

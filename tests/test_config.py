@@ -9,6 +9,7 @@ import pytest
 
 from asynclane_jax.cli import main
 from asynclane_jax.models import ConfigError, from_hf_config, preset
+from asynclane_jax.models.config import hf_family
 
 LLADA_8B = H.llada_8b_hf_config()
 DREAM_7B = H.dream_7b_hf_config()
@@ -63,6 +64,41 @@ def test_every_problem_is_reported_at_once():
 def test_unsupported_model_type():
     with pytest.raises(ConfigError, match="unsupported model_type 'gpt2'"):
         from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # LLaDA-MoE: a relative whose names contain "llada", with another schema.
+    ({"model_type": "llada_moe", "architectures": ["LLaDAMoEModelLM"]},
+     "unsupported model_type 'llada_moe'"),
+    ({"model_type": "lladamoe", "architectures": ["LLaDAMoEModelLM"]},
+     "unsupported model_type 'lladamoe'"),
+    ({"model_type": "dream_coder"}, "unsupported model_type 'dream_coder'"),
+    ({"model_type": None, "architectures": ["LLaDAMoEModelLM"]},
+     r"no model_type, architectures \['LLaDAMoEModelLM'\]"),
+    ({"model_type": "llada", "architectures": ["LLaDAMoEModelLM"]},
+     r"unsupported architectures \['LLaDAMoEModelLM'\] for model_type 'llada'"),
+])
+def test_family_detection_is_exact(overrides, message):
+    hf = dict(LLADA_8B, num_experts=64, **overrides)
+    with pytest.raises(ConfigError, match=message) as e:
+        from_hf_config(hf)
+    assert "missing" not in str(e.value)  # refused for its type, not a schema field
+
+
+def test_family_from_exact_architecture_without_model_type():
+    hf = {k: v for k, v in LLADA_8B.items() if k != "model_type"}
+    assert hf_family(hf) == "llada" and from_hf_config(hf).d_model == 4096
+    assert hf_family(dict(DREAM_7B, model_type="Dream")) == "dream"
+
+
+def test_instruct_presets_stop_at_end_of_turn():
+    # The published config.json files name no end-of-turn token (the converter takes it
+    # from the tokenizer files); the instruct presets carry it, the base presets do not.
+    assert from_hf_config(LLADA_8B).stop_token_ids == (126081,)
+    assert preset("llada-8b-instruct").stop_token_ids == (126081, 126348)
+    assert preset("dream-7b-instruct").stop_token_ids == (151643, 151645)
+    assert preset("llada-8b-base").stop_token_ids == (126081,)
+    assert preset("dream-7b-base").stop_token_ids == (151643,)
 
 
 @pytest.mark.parametrize("name, params", [("llada-8b-instruct", 8_015_581_184),

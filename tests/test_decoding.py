@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 from reference_samplers import make_model
 
-from asynclane_jax.decoding import SamplerError, generate, loop
-from asynclane_jax.decoding.api import build_canvas, make_policy
+from asynclane_jax.decoding import SamplerError, driver, generate
+from asynclane_jax.decoding.api import build_canvas, make_schedule
 from asynclane_jax.models import tiny_llada
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
@@ -74,30 +74,32 @@ def test_commits_stay_inside_the_current_block(tiny_llada_model, sampler, opts):
 
 def test_one_compilation_per_bucket():
     model = make_model("llada", lm_scale=40.0, seed=3)
-    before = loop.TRACE_COUNT["decode"]
+    before = driver.TRACE_COUNT["decode"]
     outs = []
     for n in (3, 5, 9, 17, 30):  # all in the default bucket of 32
         prompt = [(7 * i) % 60 for i in range(n)]
         outs.append(generate(model, [prompt, prompt[:2]], sampler="fast-dllm",
                              gen_length=16, block_length=8, cache="dual"))
-    assert loop.TRACE_COUNT["decode"] - before == 1
+    assert driver.TRACE_COUNT["decode"] - before == 1
     assert outs[0].stats["compiled"] and not any(o.stats["compiled"] for o in outs[1:])
     # A prompt beyond the bucket compiles once more.
     generate(model, [list(range(1, 40)), [1, 2]], sampler="fast-dllm", gen_length=16,
              block_length=8, cache="dual")
-    assert loop.TRACE_COUNT["decode"] - before == 2
+    assert driver.TRACE_COUNT["decode"] - before == 2
 
 
 @pytest.mark.parametrize("sampler,opts", [CASES[0], CASES[3]])
 def test_while_loop_equals_python_loop(tiny_llada_model, sampler, opts):
     cfg = tiny_llada_model.cfg
-    policy = make_policy(sampler, gen_length=16, block_length=8, **opts)
+    schedule = make_schedule(sampler, gen_length=16, block_length=8, **opts)
     canvas, pad_len, _ = build_canvas(PROMPTS, 16, cfg, 32)
     graphdef, params = nnx.split(tiny_llada_model)
-    args = (graphdef, params, jnp.asarray(canvas), jnp.asarray(pad_len), jax.random.key(0))
-    final = jax.jit(loop.decode_loop, static_argnums=0,
-                    static_argnames=("policy",))(*args, policy=policy)
-    state, body, cond = loop.build_loop(*args, policy=policy)
+    live = jnp.ones((len(PROMPTS),), bool)
+    args = (graphdef, params, jnp.asarray(canvas), jnp.asarray(pad_len), live,
+            jax.random.key(0))
+    final = jax.jit(driver.decode_loop, static_argnums=0,
+                    static_argnames=("schedule",))(*args, schedule=schedule)
+    state, body, cond = driver.build_loop(*args, schedule=schedule)
     body = jax.jit(body)
     n = 0
     while bool(cond(state)):
@@ -154,11 +156,11 @@ def test_real_configs_trace_abstractly(name):
     from asynclane_jax.models import abstract_model, preset
 
     graphdef, params = nnx.split(abstract_model(preset(name)))
-    policy = make_policy("fast-dllm", gen_length=64, block_length=32, cache="dual")
+    schedule = make_schedule("fast-dllm", gen_length=64, block_length=32, cache="dual")
     out = jax.eval_shape(
-        functools.partial(loop.decode_loop, graphdef, policy=policy), params,
+        functools.partial(driver.decode_loop, graphdef, schedule=schedule), params,
         jax.ShapeDtypeStruct((2, 96), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32),
-        jax.random.key(0))
+        jax.ShapeDtypeStruct((2,), bool), jax.random.key(0))
     cfg = preset(name)
     assert out.canvas.shape == (2, 96)
     assert out.cache.k.shape == (cfg.n_layers, 2, 96, cfg.n_kv_heads, cfg.head_dim)

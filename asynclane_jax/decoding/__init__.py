@@ -1,7 +1,8 @@
-"""The jitted decode loop and its sampler policies."""
+"""The jitted decode driver and its sampler schedules."""
 
-from asynclane_jax.decoding.api import SAMPLERS, GenerationResult, generate, make_policy
-from asynclane_jax.decoding.policy import BlockPolicy, SamplerError
+from asynclane_jax.decoding.api import GenerationResult, generate, make_schedule
+from asynclane_jax.decoding.schedule import SamplerError, Schedule, registry
+from asynclane_jax.decoding.stats import DecodeStats
 
-__all__ = ["SAMPLERS", "BlockPolicy", "GenerationResult", "SamplerError", "generate",
-           "make_policy"]
+__all__ = ["DecodeStats", "GenerationResult", "SamplerError", "Schedule", "generate",
+           "make_schedule", "registry"]

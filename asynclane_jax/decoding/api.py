@@ -1,37 +1,32 @@
-"""`generate`: the public entry point of the decode loop."""
+"""`generate`: the public entry point of the decode driver."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from asynclane_jax.decoding import loop
-from asynclane_jax.decoding.dream import DreamPolicy
-from asynclane_jax.decoding.fast_dllm import FastDllmPolicy
-from asynclane_jax.decoding.localleap import LocalLeapPolicy
-from asynclane_jax.decoding.policy import BlockPolicy, FixedStepsPolicy, SamplerError
-from asynclane_jax.decoding.vanilla import VanillaPolicy
-
-SAMPLERS: dict[str, type[BlockPolicy]] = {
-    "vanilla": VanillaPolicy,
-    "dream": DreamPolicy,
-    "fast-dllm": FastDllmPolicy,
-    "localleap": LocalLeapPolicy,
-}
-
-# Default block length per sampler when the caller gives none.
-_DEFAULT_BLOCK = {"vanilla": 32, "fast-dllm": 32, "localleap": 32}
+from asynclane_jax.decoding import driver
+from asynclane_jax.decoding.schedule import SamplerError, Schedule, get_schedule_class
+from asynclane_jax.decoding.stats import DecodeStats
 
 # Prompt lengths are rounded up to a multiple of this, so that prompts of similar length
 # share one compiled loop.
 DEFAULT_BUCKET = 32
+
+
+def batch_bucket(n: int) -> int:
+    """Rows a batch of n prompts is padded to: 1, 2, 4, 8, then multiples of 8. A
+    server or an evaluation with uneven batches compiles a handful of programs, and a
+    padding row costs nothing but its share of each call (it starts finished)."""
+    if n <= 8:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 8) * 8
 
 
 @dataclasses.dataclass
@@ -40,37 +35,26 @@ class GenerationResult:
 
     Attributes:
       tokens: [b, gen_length] int numpy array, the generated region of each row.
-      text: decoded text per row (cut at the first end-of-text) when a tokenizer was given.
-      stats: steps, model calls (nfe_full / nfe_partial), tokens processed, per-position
-        commit step, wall time, and more.
+      text: decoded text per row (cut at the first end-of-text, special tokens dropped)
+        when a tokenizer was given.
+      stats: a DecodeStats (or the schedule's extension of it).
     """
 
     tokens: np.ndarray
     text: list[str] | None
-    stats: dict[str, Any]
+    stats: DecodeStats
 
 
-def make_policy(sampler: str, *, gen_length: int, block_length: int | None,
-                **options) -> BlockPolicy:
-    """Builds and validates a sampler policy from its name and options."""
-    if sampler not in SAMPLERS:
-        raise SamplerError(f"unknown sampler {sampler!r}; available: {sorted(SAMPLERS)}")
-    cls = SAMPLERS[sampler]
-    if block_length is None:
-        block_length = _DEFAULT_BLOCK.get(sampler, gen_length)
-        if gen_length % block_length:
-            block_length = gen_length
-    fields = {f.name for f in dataclasses.fields(cls)} - {"gen_length", "block_length"}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise SamplerError(
-            f"{sampler}: unknown option(s) {unknown}; accepted: {sorted(fields)}")
-    if issubclass(cls, FixedStepsPolicy) and "steps" not in options:
-        options["steps"] = gen_length
-    try:
-        return cls(gen_length=gen_length, block_length=block_length, **options)
-    except TypeError as e:
-        raise SamplerError(f"{sampler}: {e}") from None
+def make_schedule(sampler: str, *, gen_length: int, **options) -> Schedule:
+    """Builds and validates a sampler's schedule from its name and options; options
+    left out take the schedule's defaults (None counts as left out)."""
+    cls = get_schedule_class(sampler)
+    options = {k: v for k, v in options.items() if v is not None}
+    return cls.from_options(gen_length=gen_length, **options)
+
+
+# The name used before schedules existed; kept for callers of the first API.
+make_policy = make_schedule
 
 
 def bucket_length(n: int, bucket: int) -> int:
@@ -120,25 +104,28 @@ def _cut_at_stop(ids: np.ndarray, stop_ids) -> list[int]:
     return out
 
 
-def generate(model, prompts, *, sampler: str = "fast-dllm", gen_length: int = 128,
-             block_length: int | None = None, tokenizer=None, rng=None, seed: int = 0,
-             bucket: int = DEFAULT_BUCKET, **sampler_options) -> GenerationResult:
-    """Generates continuations of a batch of prompts with one jitted decode loop.
+def generate(model, prompts, *, sampler: str | Schedule = "fast-dllm", gen_length: int = 128,
+             tokenizer=None, rng=None, seed: int = 0, bucket: int = DEFAULT_BUCKET,
+             pad_batch: bool = True, **sampler_options) -> GenerationResult:
+    """Generates continuations of a batch of prompts with one compiled decode loop.
+
+    The compiled program is kept, keyed by (model structure, sampler settings, shapes):
+    a later call with the same shapes reuses it (`stats.compiled` is False).
 
     Args:
       model: a DiffusionLM (e.g. from asynclane_jax.load).
       prompts: list of token-id lists (lengths may differ), or of strings when a
         tokenizer is given.
-      sampler: "vanilla", "dream", "fast-dllm" or "localleap".
+      sampler: a registered sampler name (`asynclane_jax.decoding.registry()`), or a
+        Schedule object (which then carries gen_length and every option).
       gen_length: tokens generated per prompt.
-      block_length: block size of block-wise samplers (default 32 where it divides
-        gen_length; Dream's default is one block).
       tokenizer: optional; decodes `text` and encodes string prompts.
       rng: a jax PRNG key; default jax.random.key(seed).
       seed: used when rng is None.
-      bucket: prompt lengths are padded up to a multiple of this (one compilation per
-        bucket).
-      **sampler_options: the sampler's options, e.g. steps, threshold, cache.
+      bucket: prompt lengths are padded up to a multiple of this.
+      pad_batch: pad the number of rows up to `batch_bucket(n)`.
+      **sampler_options: the sampler's options, e.g. block_length, steps, threshold,
+        cache, cfg_scale.
     Returns:
       GenerationResult.
     """
@@ -149,47 +136,62 @@ def generate(model, prompts, *, sampler: str = "fast-dllm", gen_length: int = 12
             raise SamplerError("string prompts need a tokenizer")
         prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     cfg = model.cfg
-    policy = make_policy(sampler, gen_length=gen_length, block_length=block_length,
-                         **sampler_options)
+    if isinstance(sampler, Schedule):
+        if sampler_options:
+            raise SamplerError("options go into the Schedule object itself, not generate()")
+        schedule, gen_length = sampler, sampler.gen_length
+        sampler = schedule.name or type(schedule).__name__
+    else:
+        schedule = make_schedule(sampler, gen_length=gen_length, **sampler_options)
     canvas, pad_len, P = build_canvas(prompts, gen_length, cfg, bucket)
-    cfg_scale = float(getattr(policy, "cfg_scale", 0.0))
+    n = len(prompts)
+    rows = batch_bucket(n) if pad_batch else n
+    live = np.arange(rows) < n
+    if rows > n:  # padding rows copy row 0 and start finished
+        canvas = np.concatenate([canvas, np.repeat(canvas[:1], rows - n, axis=0)])
+        pad_len = np.concatenate([pad_len, np.repeat(pad_len[:1], rows - n)])
     if rng is None:
         rng = jax.random.key(seed)
     graphdef, params = nnx.split(model)
-    traces_before = loop.TRACE_COUNT["decode"]
+    args = (params, jnp.asarray(canvas), jnp.asarray(pad_len), jnp.asarray(live), rng)
+    exe, compiled = driver.compiled_decode(graphdef, *args, schedule=schedule)
     t0 = time.perf_counter()
-    state = loop.decode_jit(graphdef, params, jnp.asarray(canvas), jnp.asarray(pad_len), rng,
-                            policy=policy, cfg_scale=cfg_scale)
-    state = jax.block_until_ready(state)
-    wall = time.perf_counter() - t0
-    canvas_out = np.asarray(state.canvas)
-    tokens = canvas_out[:, P:]
-    commit_step = np.asarray(state.commit_step)
-    row_steps = np.asarray(state.row_steps)
-    hit_cap = bool(np.any(np.asarray(state.block) < policy.num_blocks))
-    stats = {
-        "sampler": sampler,
-        "policy": dataclasses.asdict(policy),
-        "steps": int(row_steps.max()),
-        "row_steps": row_steps,
-        "iterations": int(state.step),
-        "nfe": int(state.nfe_full + state.nfe_partial),
-        "nfe_full": int(state.nfe_full),
-        "nfe_partial": int(state.nfe_partial),
-        "row_nfe_full": np.asarray(state.row_full),
-        "row_nfe_partial": np.asarray(state.row_partial),
-        "tokens_processed": int(state.tokens_processed),
-        "commit_step": commit_step,
-        "prompt_bucket": P,
-        "compiled": loop.TRACE_COUNT["decode"] > traces_before,
-        "wall_time": wall,
-        "hit_step_cap": hit_cap,
-    }
+    state = jax.block_until_ready(exe.fn(*args))
+    decode_time = time.perf_counter() - t0
+
+    real = slice(0, n)
+    tokens = np.asarray(state.canvas)[real, P:]
+    row_steps = np.asarray(state.row_steps)[real]
     stop = set(cfg.stop_token_ids)
-    gen_counts = [len(_cut_at_stop(row, stop)) for row in tokens]
-    stats["generated_tokens"] = gen_counts
+    ctx = driver.make_context(cfg, schedule, canvas.shape, pad_len)
+    extra = {k: (np.asarray(v)[real] if np.ndim(v) else v)
+             for k, v in schedule.summary(ctx, jax.device_get(state.sched)).items()}
+    stats = schedule.stats_type(
+        sampler=sampler,
+        options=dataclasses.asdict(schedule),
+        steps=int(row_steps.max()),
+        row_steps=row_steps,
+        iterations=int(state.step),
+        nfe=int(state.nfe_full + state.nfe_partial),
+        nfe_full=int(state.nfe_full),
+        nfe_partial=int(state.nfe_partial),
+        row_nfe_full=np.asarray(state.row_full)[real],
+        row_nfe_partial=np.asarray(state.row_partial)[real],
+        tokens_processed=int(state.tokens_processed),
+        commit_step=np.asarray(state.commit_step)[real],
+        generated_tokens=[len(_cut_at_stop(row, stop)) for row in tokens],
+        prompt_bucket=P,
+        batch_bucket=rows,
+        compiled=compiled,
+        compile_time=exe.compile_time if compiled else 0.0,
+        decode_time=decode_time,
+        hit_step_cap=bool(np.any(~np.asarray(state.finished)[real])),
+        **extra,
+    )
     text = None
     if tokenizer is not None:
-        text = [tokenizer.decode(_cut_at_stop(row, stop), skip_special_tokens=False)
+        # As LLaDA's chat.py: special tokens (end-of-turn, chat markers) are not text.
+        text = [tokenizer.decode(_cut_at_stop(row, stop), skip_special_tokens=True)
                 for row in tokens]
     return GenerationResult(tokens=tokens, text=text, stats=stats)
+

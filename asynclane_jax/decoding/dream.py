@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.policy import FixedStepsPolicy, SamplerError
+from asynclane_jax.decoding.block import FixedStepsSchedule
+from asynclane_jax.decoding.schedule import SamplerError
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -29,15 +30,20 @@ def dream_timesteps(steps: int, eps: float) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class DreamPolicy(FixedStepsPolicy):
-    """Attributes (beyond FixedStepsPolicy):
+class DreamSchedule(FixedStepsSchedule):
+    """Dream's reference sampler (one block unless block_length is given).
+
+    Attributes:
       alg: origin | maskgit_plus | topk_margin | entropy.
       alg_temp: > 0 samples the positions to commit from softmax(confidence / alg_temp).
-      temperature, top_p, top_k: token sampling; temperature 0 is greedy.
+      temperature: token sampling temperature; 0 is greedy.
+      top_p: nucleus sampling mass (None: off).
+      top_k: sample among the k most likely tokens (None: off).
       eps: final timestep.
     """
 
     name = "dream"
+    default_block_length = None
     alg: str = "maskgit_plus"
     alg_temp: float = 0.0
     temperature: float = 0.0

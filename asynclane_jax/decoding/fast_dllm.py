@@ -15,7 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.policy import BlockPolicy, SamplerError, greedy_confidence
+from asynclane_jax.decoding.block import BlockSchedule, greedy_confidence
+from asynclane_jax.decoding.schedule import SamplerError
 
 
 def check_threshold(name: str, value: float, field: str = "threshold"):
@@ -24,8 +25,10 @@ def check_threshold(name: str, value: float, field: str = "threshold"):
 
 
 @dataclasses.dataclass(frozen=True)
-class FastDllmPolicy(BlockPolicy):
-    """Attributes (beyond BlockPolicy):
+class FastDllmSchedule(BlockSchedule):
+    """Fast-dLLM threshold or factor decoding.
+
+    Attributes:
       threshold: confidence threshold (used when factor is None).
       factor: the factor rule's f; when set, replaces the threshold rule.
     """

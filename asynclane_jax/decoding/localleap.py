@@ -14,12 +14,22 @@ import dataclasses
 import jax.numpy as jnp
 
 from asynclane_jax.decoding import ops
+from asynclane_jax.decoding.block import BlockSchedule, greedy_confidence
 from asynclane_jax.decoding.fast_dllm import check_threshold
-from asynclane_jax.decoding.policy import BlockPolicy, SamplerError, greedy_confidence
+from asynclane_jax.decoding.schedule import SamplerError
 
 
 @dataclasses.dataclass(frozen=True)
-class LocalLeapPolicy(BlockPolicy):
+class LocalLeapSchedule(BlockSchedule):
+    """LocalLeap: a relaxed threshold next to confident anchors.
+
+    Attributes:
+      threshold: confidence at which a masked position commits (and becomes an anchor).
+      relaxed_threshold: confidence at which a position within `radius` of an anchor
+        commits; at most threshold.
+      radius: neighbourhood of an anchor, in positions.
+    """
+
     name = "localleap"
     shift_commits_block_start = True
     threshold: float = 0.9

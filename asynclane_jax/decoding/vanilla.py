@@ -15,14 +15,17 @@ import jax
 import jax.numpy as jnp
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.policy import FixedStepsPolicy, SamplerError
+from asynclane_jax.decoding.block import FixedStepsSchedule
+from asynclane_jax.decoding.schedule import SamplerError
 
 REMASKING = ("low_confidence", "random")
 
 
 @dataclasses.dataclass(frozen=True)
-class VanillaPolicy(FixedStepsPolicy):
-    """Attributes (beyond FixedStepsPolicy):
+class VanillaSchedule(FixedStepsSchedule):
+    """LLaDA's reference sampler.
+
+    Attributes:
       remasking: "low_confidence" or "random".
       temperature: Gumbel-max temperature; 0 is greedy argmax.
       cfg_scale: classifier-free guidance scale; 0 disables it.
@@ -41,6 +44,10 @@ class VanillaPolicy(FixedStepsPolicy):
             raise SamplerError(f"vanilla: temperature={self.temperature} must be >= 0")
         if self.cfg_scale < 0:
             raise SamplerError(f"vanilla: cfg_scale={self.cfg_scale} must be >= 0")
+
+    @property
+    def guidance_scale(self) -> float:
+        return self.cfg_scale
 
     def select(self, logits, masked, step_in_block, key, pstate):
         k_sample, k_remask = jax.random.split(key)

@@ -219,16 +219,48 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelC
     Returns:
       The ModelConfig.
     """
-    model_type = str(hf.get("model_type", "")).lower()
-    archs = [str(a).lower() for a in hf.get("architectures") or []]
-    if model_type == "llada" or any("llada" in a for a in archs):
-        return _from_llada(hf, dtype)
-    if model_type == "dream" or any("dream" in a for a in archs):
-        return _from_dream(hf, dtype)
-    raise ConfigError(
-        f"unsupported model_type {hf.get('model_type')!r} "
-        f"(architectures {hf.get('architectures')}); "
-        "expected a LLaDA ('llada') or Dream ('Dream') config")
+    family = hf_family(hf)
+    return _from_llada(hf, dtype) if family == "llada" else _from_dream(hf, dtype)
+
+
+# The model_type and model classes of the published checkpoints, matched exactly: relatives
+# with other architectures share name fragments (LLaDA-MoE is "lladamoe" / LLaDAMoEModelLM)
+# and would otherwise be read with the wrong schema and fail on a missing field.
+HF_MODEL_TYPES = {"llada": "llada", "dream": "dream"}
+HF_ARCHITECTURES = {"LLaDAModelLM": "llada", "DreamModel": "dream"}
+
+
+def hf_family(hf: Mapping[str, Any]) -> str:
+    """The family ("llada" or "dream") a Hugging Face config.json describes.
+
+    model_type decides (case-insensitively, as Dream writes "Dream"); a config without
+    one is recognised by its architectures. Listed architectures must be the family's
+    own model class.
+
+    Args:
+      hf: the parsed config.json.
+    Returns:
+      The family name.
+    Raises:
+      ConfigError naming the unsupported model_type / architectures.
+    """
+    model_type = hf.get("model_type")
+    archs = [str(a) for a in hf.get("architectures") or []]
+    arch_families = {HF_ARCHITECTURES.get(a) for a in archs}
+    expected = ("expected a LLaDA (model_type 'llada', LLaDAModelLM) or Dream "
+                "('Dream', DreamModel) config")
+    if not model_type:
+        if len(arch_families) == 1 and None not in arch_families:
+            return arch_families.pop()
+        raise ConfigError(f"unsupported model: no model_type, architectures {archs}; {expected}")
+    family = HF_MODEL_TYPES.get(str(model_type).lower())
+    if family is None:
+        raise ConfigError(
+            f"unsupported model_type {model_type!r} (architectures {archs}); {expected}")
+    if archs and arch_families != {family}:
+        raise ConfigError(f"unsupported architectures {archs} for model_type {model_type!r}; "
+                          f"{expected}")
+    return family
 
 
 def _dtype_of(hf, dtype):

@@ -19,8 +19,6 @@ from flax import nnx, struct
 
 from asynclane_jax.models.config import ModelConfig
 
-_NEG_INF = -1e30
-
 
 def _param(value, axes) -> nnx.Param:
     """A parameter tagged with logical axis names (see asynclane_jax.sharding).
@@ -83,24 +81,32 @@ def rope(x, positions, theta: float):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q, k, v, mask, dtype):
-    """Grouped-query softmax attention.
+def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementation=None):
+    """Grouped-query softmax attention: the one attention of the model.
+
+    The mask is never built as [b, Q, T] by the caller: a [b, T] key mask covers padding,
+    and block-causal attention (D2F: a query sees keys of its own and earlier blocks) is
+    given as block ids per query and per key. Both go to `jax.nn.dot_product_attention`,
+    which can run a fused kernel (`implementation="cudnn"` on GPUs); its default XLA path
+    computes the scores in float32 and the softmax in float32 whatever the input dtype.
 
     Args:
-      q: [b, Q, H, h]; k, v: [b, T, K, h]; mask: [b, Q, T] bool (True = may attend).
+      q: [b, Q, H, h]; k, v: [b, T, K, h] (H a multiple of K).
+      key_mask: [b, T] bool, False for keys no query may attend (padding); None: all.
+      q_block, k_block: [b, Q] and [b, T] int block ids; when given, a query attends only
+        to keys whose block id is <= its own.
+      implementation: passed to jax.nn.dot_product_attention (None: XLA).
     Returns:
-      [b, Q, H, h].
+      [b, Q, H, h] in q's dtype.
     """
-    b, nq, n_heads, h = q.shape
-    n_kv = k.shape[2]
-    g = n_heads // n_kv
-    qg = q.reshape(b, nq, n_kv, g, h)
-    scores = jnp.einsum("bqkgh,btkh->bkgqt", qg, k).astype(jnp.float32) / jnp.sqrt(
-        jnp.float32(h))
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("bkgqt,btkh->bqkgh", probs, v)
-    return out.reshape(b, nq, n_heads, h)
+    mask = None
+    if key_mask is not None:
+        mask = key_mask[:, None, None, :]  # [b, 1, 1, T]
+    if q_block is not None:
+        causal = (k_block[:, None, :] <= q_block[:, :, None])[:, None]  # [b, 1, Q, T]
+        mask = causal if mask is None else mask & causal
+    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
+                                        implementation=implementation)
 
 
 class Attention(nnx.Module):
@@ -146,19 +152,24 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
         self.dtype = cfg.jnp_dtype
 
-    def __call__(self, x, positions, mask, cache_kv=None, write_index=None):
-        """One block. With cache_kv=(k, v) [b, T, K, h], fresh K/V of the queries are
-        scattered at write_index [b, Q] (out-of-range indices are dropped) and the
-        queries attend to the whole updated cache."""
-        q, k, v = self.attn.qkv(self.attn_norm(x), positions)
-        if cache_kv is not None:
-            ck, cv = cache_kv
-            rows = jnp.arange(x.shape[0])[:, None]
-            k = ck.at[rows, write_index].set(k.astype(ck.dtype), mode="drop")
-            v = cv.at[rows, write_index].set(v.astype(cv.dtype), mode="drop")
-        h = x + self.attn.out(attention(q, k.astype(self.dtype), v.astype(self.dtype), mask,
-                                        self.dtype))
-        return h + self.mlp(self.mlp_norm(h)), (k, v)
+    def qkv(self, x, positions):
+        """Queries, keys and values of x [b, Q, d] (after RoPE): [b, Q, H|K, h]."""
+        return self.attn.qkv(self.attn_norm(x), positions)
+
+    def __call__(self, x, q, keys, values, *, key_mask, q_block=None, k_block=None,
+                 implementation=None):
+        """The rest of the block once the keys are placed (fresh, or in the cache).
+
+        Args:
+          x: [b, Q, d] the block's input; q: [b, Q, H, h] from `qkv`.
+          keys, values: [b, T, K, h] everything the queries attend to.
+          key_mask, q_block, k_block, implementation: as `attention`.
+        Returns:
+          [b, Q, d].
+        """
+        h = x + self.attn.out(attention(q, keys, values, key_mask=key_mask, q_block=q_block,
+                                        k_block=k_block, implementation=implementation))
+        return h + self.mlp(self.mlp_norm(h))
 
 
 @struct.dataclass
@@ -174,9 +185,19 @@ class KVCache:
         dt = dtype or cfg.jnp_dtype
         return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
+    def write(self, layer: int, rows, index, k, v) -> KVCache:
+        """Scatters fresh K/V [b, Q, K, h] of one layer at canvas columns index [b, Q]
+        (rows = arange(b)[:, None]); an index >= T is dropped. Under jit, with the cache
+        carried by a loop, XLA updates the buffer in place: nothing else is copied."""
+        return KVCache(self.k.at[layer, rows, index].set(k.astype(self.k.dtype), mode="drop"),
+                       self.v.at[layer, rows, index].set(v.astype(self.v.dtype), mode="drop"))
+
 
 class DiffusionLM(nnx.Module):
     """A LLaDA- or Dream-architecture mask-diffusion language model."""
+
+    # jax.nn.dot_product_attention's `implementation` (None: XLA; "cudnn" on GPUs).
+    attention_implementation: str | None = None
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -194,48 +215,86 @@ class DiffusionLM(nnx.Module):
             return jnp.einsum("...d,vd->...v", x, self.embed[...].astype(x.dtype))
         return self.lm_head(x)
 
-    def __call__(self, tokens, *, positions=None, key_mask=None, attn_mask=None,
+    def forward(self, tokens, positions, *, key_mask=None, cache: KVCache | None = None,
+                write_index=None, logits_index=None, block_ids=None):
+        """The one forward pass; full and cached calls are this function.
+
+        Without a cache the Q = T tokens are the whole canvas and attend to each other.
+        With a cache (arrays [L, b, T, K, h]) each layer first writes the queries' fresh
+        K/V into the cache at `write_index`, in place (a scatter into the carried
+        buffer; an index >= T is dropped), and the queries attend to all T cached
+        positions. A full refresh is the cached call with every column queried.
+
+        The layer stack is a Python loop (unrolled in the compiled program), not a scan:
+        measured in experiments/layer_stack.py (results/layer_stack.md), see the
+        `LAYER_STACK_NOTE` there for the numbers this choice rests on.
+
+        Args:
+          tokens: [b, Q] token ids.
+          positions: [b, Q] RoPE positions.
+          key_mask: [b, T] bool, False for keys that must not be attended (padding).
+          cache: KVCache to read and update, or None.
+          write_index: [b, Q] canvas column of each query (with a cache).
+          logits_index: [b, n] optional indices into the Q queries; only those rows of
+            the output head are computed.
+          block_ids: [b, T] int block id of every canvas column for block-causal
+            attention (a query sees keys of its own and earlier blocks); None for
+            bidirectional attention.
+        Returns:
+          (logits [b, Q or n, V] float32, the updated cache or None).
+        """
+        b = tokens.shape[0]
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
+        q_block = k_block = None
+        if block_ids is not None:
+            k_block = block_ids
+            q_block = (block_ids if cache is None else
+                       jnp.take_along_axis(block_ids, jnp.minimum(
+                           write_index, block_ids.shape[1] - 1), axis=1))
+        rows = jnp.arange(b)[:, None]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, positions)
+            if cache is not None:
+                cache = cache.write(i, rows, write_index, k, v)
+                k, v = cache.k[i], cache.v[i]
+            x = layer(x, q, k, v, key_mask=key_mask, q_block=q_block, k_block=k_block,
+                      implementation=self.attention_implementation)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
+        return self._logits(x).astype(jnp.float32), cache
+
+    def __call__(self, tokens, *, positions=None, key_mask=None, block_ids=None,
                  return_kv: bool = False, logits_index=None):
-        """Full forward over the canvas.
+        """Full forward over the canvas (`forward` without a cache).
 
         Args:
           tokens: [b, T] int token ids.
           positions: [b, T] RoPE positions; default 0..T-1 (left-padded rows pass their
             own offsets so each row's real tokens start at 0).
           key_mask: [b, T] bool, False for padding keys.
-          attn_mask: [b, T, T] bool, extra (query, key) mask, e.g. block-causal for D2F.
+          block_ids: [b, T] block ids for block-causal attention (see `forward`).
           return_kv: also return every layer's K/V as a KVCache.
-          logits_index: [b, Q] optional canvas columns; when given, only those rows of
+          logits_index: [b, n] optional canvas columns; when given, only those rows of
             the output head are computed (a sampler rarely needs all T x V logits).
         Returns:
-          logits [b, T, V] (or [b, Q, V]) in float32 (no Dream shift), and the KVCache
+          logits [b, T, V] (or [b, n, V]) in float32 (no Dream shift), and the KVCache
           if return_kv.
         """
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = jnp.ones((b, t, t), dtype=bool)
-        if key_mask is not None:
-            mask = mask & key_mask[:, None, :]
-        if attn_mask is not None:
-            mask = mask & attn_mask
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
-        ks, vs = [], []
-        for layer in self.layers:
-            x, (k, v) = layer(x, positions, mask)
-            if return_kv:
-                ks.append(k)
-                vs.append(v)
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
-        logits = self._logits(x).astype(jnp.float32)
-        if return_kv:
-            return logits, KVCache(jnp.stack(ks), jnp.stack(vs))
-        return logits
+        if not return_kv:
+            return self.forward(tokens, positions, key_mask=key_mask,
+                                logits_index=logits_index, block_ids=block_ids)[0]
+        cols = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return self.forward(tokens, positions, key_mask=key_mask,
+                            cache=KVCache.zeros(self.cfg, b, t), write_index=cols,
+                            logits_index=logits_index, block_ids=block_ids)
 
     def forward_cached(self, tokens, positions, write_index, cache: KVCache, *, key_mask=None,
-                       attn_mask=None):
-        """Logits for a set of query positions against a K/V cache of the whole canvas.
+                       block_ids=None):
+        """Logits for a set of query positions against a K/V cache of the whole canvas
+        (`forward` with a cache).
 
         The queries' fresh K/V are written into the cache first (so queries see each
         other's current values, as in Fast-dLLM's dual cache), then each query attends
@@ -248,26 +307,12 @@ class DiffusionLM(nnx.Module):
             query slot whose K/V is dropped.
           cache: KVCache with arrays [L, b, T, K, h].
           key_mask: [b, T] bool, False for keys that must not be attended (padding).
-          attn_mask: [b, Q, T] bool, extra (query, key) mask.
+          block_ids: [b, T] block ids for block-causal attention (see `forward`).
         Returns:
           (logits [b, Q, V] float32, updated KVCache).
         """
-        b, nq = tokens.shape
-        t = cache.k.shape[2]
-        mask = jnp.ones((b, nq, t), dtype=bool)
-        if key_mask is not None:
-            mask = mask & key_mask[:, None, :]
-        if attn_mask is not None:
-            mask = mask & attn_mask
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, (k, v) = layer(x, positions, mask, cache_kv=(cache.k[i], cache.v[i]),
-                              write_index=write_index)
-            ks.append(k)
-            vs.append(v)
-        logits = self._logits(x).astype(jnp.float32)
-        return logits, KVCache(jnp.stack(ks), jnp.stack(vs))
+        return self.forward(tokens, positions, key_mask=key_mask, cache=cache,
+                            write_index=write_index, block_ids=block_ids)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> DiffusionLM:

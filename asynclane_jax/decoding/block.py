@@ -1,0 +1,236 @@
+"""Block-wise semi-autoregressive decoding: the schedule the four block samplers share.
+
+A row works on one block of B generated positions at a time and moves to the next once
+the block has no masks left; a sampler only says what to commit inside the block
+(`select`). Block i covers generated positions [i*B, (i+1)*B), canvas columns
+P + i*B onwards.
+
+Calls. Without a cache every iteration is a full forward serving every unfinished row.
+With a cache, a row entering a block needs a refresh: a full forward whose K/V become
+its cache and whose logits decode that step (Fast-dLLM: no call is wasted). Refreshes
+are batched, as in the public batched code: once every unfinished row has entered a new
+block, one full forward serves them all; until then the rows that have entered one wait
+(their canvas frozen, so each row decodes exactly as it would alone) and a cached call
+serves the others, querying the block (dual cache) or [block start, T) (prefix cache).
+
+Dream's logit shift: the logits for column c are the output at c - 1 (schedule.py). A
+full forward queries the block's columns minus the shift, so every block column is
+predicted. A cached call queries the block itself (Fast-dLLM re-encodes exactly those
+columns), which predicts columns s + 1 .. s + B for a block starting at s: column s gets
+no prediction in cached calls. Fast-dLLM's Dream block decoding therefore commits column
+s, by argmax, at the block-start step (`shift_commits_block_start`), which is always a
+full forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from asynclane_jax.decoding.schedule import (
+    CallOutput,
+    Context,
+    Plan,
+    SamplerError,
+    Schedule,
+)
+
+CACHE_MODES = ("none", "prefix", "dual")
+
+
+@struct.dataclass
+class BlockState:
+    block: jax.Array  # [b] int32 current block index; == num_blocks once the row is done
+    step_in_block: jax.Array  # [b] int32 iterations the row has spent in its block
+    policy: Any  # the sampler's own state (pytree)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSchedule(Schedule):
+    """Semi-autoregressive block decoding.
+
+    Attributes:
+      block_length: B, positions per block; must divide gen_length (default: the
+        sampler's usual block, or one block when that does not divide gen_length).
+      cache: none (every call a full forward) | prefix (refresh at block start, then
+        query [block start, T) against the cached prefix) | dual (refresh at block start,
+        then query only the block against the cache of everything else).
+      early_stop: once a finished block holds an end-of-text token, everything after it
+        becomes end-of-text and the row stops (the public LocalLeap code's option; off
+        as published).
+    """
+
+    # The sampler's usual block length (None: one block of gen_length).
+    default_block_length: ClassVar[int | None] = 32
+    # With a logit-shifted model (Dream), the block-start step commits exactly the
+    # block's first column by argmax (Fast-dLLM's Dream block decoding); see above.
+    shift_commits_block_start: ClassVar[bool] = False
+    block_length: int | None = None
+    cache: str = "none"
+    early_stop: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_length is None:
+            default = self.default_block_length or self.gen_length
+            object.__setattr__(self, "block_length",
+                               default if self.gen_length % default == 0 else self.gen_length)
+        if self.block_length <= 0:
+            raise SamplerError(f"block_length={self.block_length}: must be positive")
+        if self.gen_length % self.block_length:
+            raise SamplerError(
+                f"gen_length={self.gen_length} is not a multiple of "
+                f"block_length={self.block_length}")
+        if self.cache not in CACHE_MODES:
+            raise SamplerError(f"cache={self.cache!r}: expected one of {CACHE_MODES}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.cache != "none"
+
+    def max_iterations(self) -> int:
+        # Every served iteration commits at least one token; with a cache a row may also
+        # wait while its batch mates finish their blocks (at most G iterations in all).
+        return 2 * self.gen_length + self.num_blocks + 2
+
+    # -- the sampler's part ---------------------------------------------------------
+    def init_policy(self, batch: int) -> Any:
+        del batch
+        return ()
+
+    def select(self, logits, masked, step_in_block, key, pstate):
+        """Chooses what to commit in each row's current block.
+
+        Args:
+          logits: [b, B, V] float32, the logits predicting each block position.
+          masked: [b, B] bool, still-masked positions that this call predicted.
+          step_in_block: [b] int32 iterations already spent on this block.
+          key: PRNG key for this iteration.
+          pstate: the sampler's state.
+        Returns:
+          (commit [b, B] bool (a subset of masked), tokens [b, B] int32, new pstate).
+        """
+        raise NotImplementedError
+
+    # -- the schedule -----------------------------------------------------------------
+    def init(self, ctx: Context) -> BlockState:
+        b = ctx.batch
+        return BlockState(block=jnp.zeros((b,), jnp.int32),
+                          step_in_block=jnp.zeros((b,), jnp.int32),
+                          policy=self.init_policy(b))
+
+    def _columns(self, ctx: Context, block):
+        """[b, B] canvas columns of each row's current block (the last for finished rows)."""
+        B = self.block_length
+        start = ctx.prompt_len + jnp.minimum(block, self.num_blocks - 1) * B
+        return start[:, None] + jnp.arange(B, dtype=jnp.int32)[None, :]
+
+    def query_size(self) -> int:
+        return self.gen_length if self.cache == "prefix" else self.block_length
+
+    def plan(self, ctx: Context, canvas, state: BlockState, live) -> Plan:
+        T, Q, B = ctx.length, self.query_size(), self.block_length
+        cols = self._columns(ctx, state.block)
+        pad = jnp.full((ctx.batch, Q - B), T, jnp.int32)
+        full_q = jnp.concatenate([cols - ctx.shift, pad], axis=1)  # every column predicted
+        if not self.uses_cache:
+            return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
+        need = live & (state.step_in_block == 0)
+        refresh = jnp.all(need | ~live)
+        if self.cache == "dual":
+            cached_q = cols
+        else:  # prefix: the block start to the canvas end
+            cached_q = cols[:, :1] + jnp.arange(Q, dtype=jnp.int32)[None, :]
+            cached_q = jnp.where(cached_q < T, cached_q, T)
+        return Plan(positions=jnp.where(refresh, full_q, cached_q), full=refresh,
+                    serve=jnp.where(refresh, need, live & ~need))
+
+    def update(self, ctx: Context, canvas, state: BlockState, out: CallOutput, key):
+        b, B = ctx.batch, self.block_length
+        rows = jnp.arange(b)[:, None]
+        cols = self._columns(ctx, state.block)
+        logits, has = out.at(cols)
+        blk = jnp.take_along_axis(canvas, cols, axis=1)
+        masked = (blk == ctx.mask_id) & out.serve[:, None] & has
+        commit, x0, pstate = self.select(logits, masked, state.step_in_block, key,
+                                         state.policy)
+        if ctx.shift and self.shift_commits_block_start:
+            at_start = (state.step_in_block == 0)[:, None]
+            first_col = jnp.arange(B)[None, :] == 0
+            x0 = jnp.where(at_start & first_col, jnp.argmax(logits, -1).astype(x0.dtype), x0)
+            commit = jnp.where(at_start, first_col, commit)
+        x0 = never_the_mask(logits, x0, ctx.mask_id)
+        commit = commit & masked
+        new_blk = jnp.where(commit, x0, blk)
+        canvas = canvas.at[rows, cols].set(new_blk)
+        block_done = out.serve & ~jnp.any(new_blk == ctx.mask_id, axis=1)
+        block = state.block + block_done
+        if self.early_stop:
+            stop = block_done & jnp.any(ctx.is_stop(new_blk), axis=1)
+            after = jnp.arange(ctx.length)[None, :] > cols[:, -1:]
+            canvas = jnp.where(stop[:, None] & after, ctx.eos_id, canvas)
+            block = jnp.where(stop, self.num_blocks, block)
+        step_in_block = jnp.where(block_done, 0, state.step_in_block + out.serve)
+        return canvas, BlockState(block=block.astype(jnp.int32),
+                                  step_in_block=step_in_block.astype(jnp.int32),
+                                  policy=pstate)
+
+    def done(self, ctx: Context, canvas, state: BlockState):
+        return state.block >= self.num_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedStepsSchedule(BlockSchedule):
+    """A block schedule with a fixed step budget (LLaDA's and Dream's reference
+    samplers): `steps` spread evenly over the blocks, every call a full forward.
+
+    Attributes:
+      steps: total steps over all blocks (default gen_length); a positive multiple of
+        the number of blocks.
+    """
+
+    steps: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.steps is None:
+            object.__setattr__(self, "steps", self.gen_length)
+        if self.cache != "none":
+            raise SamplerError(
+                f"{self.name}: cache must be 'none' (use fast-dllm for caching)")
+        if self.steps <= 0 or self.steps % self.num_blocks:
+            raise SamplerError(
+                f"{self.name}: steps={self.steps} must be a positive multiple of the number "
+                f"of blocks gen_length/block_length={self.num_blocks}")
+
+    @property
+    def steps_per_block(self) -> int:
+        return self.steps // self.num_blocks
+
+    def max_iterations(self) -> int:
+        return self.steps + 2
+
+
+def never_the_mask(logits, x0, mask_id):
+    """The mask token is never committed: that would leave the position masked for
+    ever (the public samplers would commit it). A position whose prediction is the mask
+    token takes its best other token. A trained model gives the mask token no mass, so
+    this only matters for untrained weights; confidences are untouched."""
+    best_other = jnp.argmax(logits.at[..., mask_id].set(-jnp.inf), -1).astype(x0.dtype)
+    return jnp.where(x0 == mask_id, best_other, x0)
+
+
+def greedy_confidence(logits):
+    """argmax token and its softmax probability; [b, n, V] -> ([b, n] int32, [b, n] f32)."""
+    x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
+    return x0, conf

@@ -1,0 +1,226 @@
+"""The one decode driver: a single jitted lax.while_loop over a fixed-shape carry.
+
+The driver knows nothing about blocks, lanes or thresholds. One iteration:
+  1. the schedule plans the call (schedule.py: `Plan`);
+  2. the driver makes it: a full forward over the whole canvas (its K/V become the cache
+     of the rows it serves, when the schedule caches), or a cached call of the planned
+     columns against the K/V of the whole canvas (their fresh K/V written in place);
+     both are `DiffusionLM.forward`, one code path;
+  3. the schedule commits from the logits;
+  4. the driver records the step at which each generated position was committed,
+     counts calls and tokens, and marks the rows the schedule says are done.
+
+Rows finish independently; a finished row is never served again and its canvas never
+changes. Rows that only pad a batch up to its bucket start finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
+from asynclane_jax.models.model import KVCache
+
+# Incremented each time the loop is traced; tests read it.
+TRACE_COUNT = {"decode": 0}
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything that changes between iterations of the decode while_loop."""
+
+    canvas: jax.Array  # [b, T] int32 token ids; the mask id where not yet committed
+    commit_step: jax.Array  # [b, G] int32 row iteration that committed it, -1 if none
+    finished: jax.Array  # [b] bool: done (or a padding row); never served again
+    row_steps: jax.Array  # [b] int32 iterations in which the row was served
+    row_full: jax.Array  # [b] int32 full forwards that served the row
+    row_partial: jax.Array  # [b] int32 cached forwards that served the row
+    step: jax.Array  # [] int32 loop iterations
+    nfe_full: jax.Array  # [] int32 full forwards (one call = the whole batch)
+    nfe_partial: jax.Array  # [] int32 cached forwards
+    tokens_processed: jax.Array  # [] int32 query positions fed to the model, real rows
+    rng: jax.Array  # PRNG key; folded with `step` each iteration, never reused
+    cache: KVCache | None  # [L, b, T, K, h] x2 when the schedule caches
+    sched: Any  # the schedule's own state
+
+
+def make_context(cfg, schedule: Schedule, canvas_shape, pad_len) -> Context:
+    b, T = canvas_shape
+    return Context(batch=b, prompt_len=T - schedule.gen_length, gen_length=schedule.gen_length,
+                   shift=1 if cfg.logit_shift else 0, mask_id=cfg.mask_token_id,
+                   eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
+                   pad_len=pad_len)
+
+
+def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedule):
+    """The loop's pieces: (initial DecodeState, body(state) -> state, cond(state) -> bool).
+
+    `decode_loop` runs them in lax.while_loop; tests and experiments drive `body` from a
+    Python loop.
+
+    Args:
+      graphdef, params: the split NNX model.
+      canvas: [b, T] int32, prompts left-padded to P = T - G, then G mask ids.
+      pad_len: [b] int32 left padding of each row.
+      live: [b] bool, False for rows that only pad the batch (they start finished).
+      rng: PRNG key.
+      schedule: the sampler (static).
+    Returns:
+      (state, body, cond).
+    """
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    b, T = canvas.shape
+    ctx = make_context(cfg, schedule, canvas.shape, pad_len)
+    P, G = ctx.prompt_len, ctx.gen_length
+    cols = jnp.arange(T, dtype=jnp.int32)[None, :]
+    key_mask = cols >= pad_len[:, None]  # [b, T]
+    positions = jnp.maximum(cols - pad_len[:, None], 0)  # [b, T]: each row starts at 0
+    use_cache = schedule.uses_cache
+    cfg_scale = float(schedule.guidance_scale)
+    if cfg_scale > 0 and use_cache:
+        raise SamplerError(f"{schedule.name}: classifier-free guidance needs cache='none'")
+    n_live = jnp.sum(live).astype(jnp.int32)
+
+    sched0 = schedule.init(ctx)
+    state = DecodeState(
+        canvas=canvas,
+        commit_step=jnp.full((b, G), -1, jnp.int32),
+        finished=~live | schedule.done(ctx, canvas, sched0),
+        row_steps=jnp.zeros((b,), jnp.int32),
+        row_full=jnp.zeros((b,), jnp.int32),
+        row_partial=jnp.zeros((b,), jnp.int32),
+        step=jnp.zeros((), jnp.int32),
+        nfe_full=jnp.zeros((), jnp.int32),
+        nfe_partial=jnp.zeros((), jnp.int32),
+        tokens_processed=jnp.zeros((), jnp.int32),
+        rng=rng,
+        cache=KVCache.zeros(cfg, b, T) if use_cache else None,
+        sched=sched0,
+    )
+    max_iter = schedule.max_iterations()
+
+    def full_call(st: DecodeState, plan: Plan, serve):
+        # Logits are read at the planned columns; every column is (re-)encoded.
+        read = jnp.minimum(plan.positions, T - 1)
+        if cfg_scale > 0:
+            # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
+            uncond = jnp.where(cols < P, ctx.mask_id, st.canvas)
+            two = lambda a: jnp.concatenate([a, a], axis=0)
+            both, _ = model.forward(jnp.concatenate([st.canvas, uncond], axis=0),
+                                    two(positions), key_mask=two(key_mask),
+                                    logits_index=two(read))
+            cond, unc = jnp.split(both, 2, axis=0)
+            return unc + (cfg_scale + 1.0) * (cond - unc), st
+        write = jnp.where(serve[:, None], cols, T)  # only served rows' cache is replaced
+        logits, cache = model.forward(st.canvas, positions, key_mask=key_mask, cache=st.cache,
+                                      write_index=write if use_cache else None,
+                                      logits_index=read)
+        return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
+                                  tokens_processed=st.tokens_processed + n_live * T,
+                                  row_full=st.row_full + serve)
+
+    def cached_call(st: DecodeState, plan: Plan, serve):
+        valid = plan.positions < T
+        read = jnp.minimum(plan.positions, T - 1)
+        tokens_q = jnp.take_along_axis(st.canvas, read, axis=1)
+        pos_q = jnp.take_along_axis(positions, read, axis=1)
+        write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
+        logits, cache = model.forward(tokens_q, pos_q, key_mask=key_mask, cache=st.cache,
+                                      write_index=write)
+        n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
+        return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
+                                  tokens_processed=st.tokens_processed + n,
+                                  row_partial=st.row_partial + serve)
+
+    def body(st: DecodeState) -> DecodeState:
+        plan = schedule.plan(ctx, st.canvas, st.sched, ~st.finished)
+        serve = plan.serve & ~st.finished
+        if use_cache:
+            logits, st = jax.lax.cond(plan.full, full_call, cached_call, st, plan, serve)
+        else:
+            logits, st = full_call(st, plan, serve)
+        # The output at column q predicts column q + shift (Dream), in every call.
+        targets = jnp.where(plan.positions < T, plan.positions + ctx.shift, T)
+        out = CallOutput(logits=logits, targets=targets, serve=serve,
+                         full=jnp.asarray(plan.full))
+        key = jax.random.fold_in(st.rng, st.step)
+        canvas, sched = schedule.update(ctx, st.canvas, st.sched, out, key)
+        canvas = jnp.where(serve[:, None], canvas, st.canvas)
+        newly = (st.canvas[:, P:] == ctx.mask_id) & (canvas[:, P:] != ctx.mask_id)
+        commit_step = jnp.where(newly, st.row_steps[:, None], st.commit_step)
+        return st.replace(
+            canvas=canvas, commit_step=commit_step, sched=sched,
+            finished=st.finished | schedule.done(ctx, canvas, sched),
+            row_steps=st.row_steps + serve, step=st.step + 1)
+
+    def cond(st: DecodeState):
+        return jnp.any(~st.finished) & (st.step < max_iter)
+
+    return state, body, cond
+
+
+def decode_loop(graphdef, params, canvas, pad_len, live, rng, *,
+                schedule: Schedule) -> DecodeState:
+    """Runs a schedule to completion in one lax.while_loop (arguments as build_loop).
+
+    Returns:
+      The final DecodeState (with the cache).
+    """
+    TRACE_COUNT["decode"] += 1
+    state, body, cond = build_loop(graphdef, params, canvas, pad_len, live, rng,
+                                   schedule=schedule)
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _decode_without_cache(graphdef, params, canvas, pad_len, live, rng, *, schedule):
+    state = decode_loop(graphdef, params, canvas, pad_len, live, rng, schedule=schedule)
+    return state.replace(cache=None)  # large, and not needed by the caller
+
+
+@dataclasses.dataclass
+class Executable:
+    """One compiled decode program and what it cost to build."""
+
+    fn: Any
+    compile_time: float  # seconds spent tracing, lowering and compiling
+
+
+# Compiled decode programs keyed by (model structure, schedule, argument shapes).
+_EXECUTABLES: dict[Any, Executable] = {}
+
+
+def _abstract_key(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, *((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None))
+                       for x in leaves))
+
+
+def compiled_decode(graphdef, params, canvas, pad_len, live, rng, *,
+                    schedule: Schedule) -> tuple[Executable, bool]:
+    """The compiled program for these shapes, compiling it on first use.
+
+    Returns:
+      (Executable, whether this call compiled it).
+    """
+    key = (graphdef, schedule, _abstract_key((params, canvas, pad_len, live, rng)))
+    if key in _EXECUTABLES:
+        return _EXECUTABLES[key], False
+    t0 = time.perf_counter()
+    jitted = jax.jit(functools.partial(_decode_without_cache, graphdef, schedule=schedule))
+    fn = jitted.lower(params, canvas, pad_len, live, rng).compile()
+    exe = Executable(fn=fn, compile_time=time.perf_counter() - t0)
+    _EXECUTABLES[key] = exe
+    return exe, True
+
+
+def clear_compiled() -> None:
+    """Forgets every compiled decode program (they are rebuilt on next use)."""
+    _EXECUTABLES.clear()

@@ -1,0 +1,256 @@
+"""What a sampler is to the decode driver: a schedule that plans calls and reads logits.
+
+A schedule is a frozen, hashable dataclass; its fields are static settings, part of the
+compiled program. Each iteration of the driver's one `lax.while_loop`:
+
+  1. `plan(ctx, canvas, state, live) -> Plan`: per row a fixed number Q of canvas
+     columns to query (padded with T, an index that is dropped), whether the call is a
+     full forward over the whole canvas, and which rows the call serves;
+  2. the driver makes the model call (full, or cached against the K/V of the whole
+     canvas) and keeps the cache, counters and rng;
+  3. `update(ctx, canvas, state, out, key) -> (canvas, state)`: commits anywhere on
+     the canvas from the logits and advances the schedule's own state;
+  4. `done(ctx, canvas, state) -> [b]`: rows that are finished (never served again).
+
+Dream's logit shift lives in one place, `CallOutput`: the output at column q predicts
+column q + shift, for full and cached calls alike. A schedule that wants logits for
+column c plans the query c - shift and reads them back with `CallOutput.at`.
+
+Registry: a subclass that sets `name` registers itself; options, their defaults and
+their help (the CLI's included) come from its dataclass fields and the `Attributes:`
+sections of its docstrings, so adding a sampler touches one file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import re
+import typing
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from asynclane_jax.decoding.stats import DecodeStats
+
+
+class SamplerError(ValueError):
+    """Bad sampler name or options."""
+
+
+@struct.dataclass
+class Plan:
+    """One model call, as a schedule asks for it."""
+
+    positions: jax.Array  # [b, Q] int32 canvas columns queried; T marks an unused slot
+    full: jax.Array  # [] bool: a full forward over the whole canvas (else a cached call)
+    serve: jax.Array  # [b] bool: rows the call serves; other rows' canvas stays as it is
+
+
+@struct.dataclass
+class CallOutput:
+    """What the model call gives the schedule's update."""
+
+    logits: jax.Array  # [b, Q, V] float32; row i predicts column targets[:, i]
+    targets: jax.Array  # [b, Q] int32 column predicted by each query (T: none)
+    serve: jax.Array  # [b] bool, the plan's rows (finished rows removed)
+    full: jax.Array  # [] bool, the plan's call kind
+
+    def at(self, cols):
+        """Logits predicting the canvas columns cols [b, n].
+
+        Returns:
+          (logits [b, n, V], has [b, n] bool: whether the call predicted that column;
+          where it did not, the logits row is arbitrary and must not be used).
+        """
+        match = self.targets[:, None, :] == cols[:, :, None]  # [b, n, Q]
+        has = jnp.any(match, axis=-1)
+        idx = jnp.argmax(match, axis=-1)
+        return jnp.take_along_axis(self.logits, idx[:, :, None], axis=1), has
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Facts about the canvas that every schedule needs; built inside the trace.
+
+    Canvas layout per row: [left padding | prompt | generation]; the generation region
+    starts at the same column P in every row, so generated position j is column P + j.
+    """
+
+    batch: int  # b
+    prompt_len: int  # P, the bucketed prompt length
+    gen_length: int  # G
+    shift: int  # 1 for a logit-shifted model (Dream), else 0
+    mask_id: int
+    eos_id: int
+    stop_ids: tuple[int, ...]  # end-of-text tokens (EOS, end-of-turn)
+    pad_len: jax.Array  # [b] int32 left padding of each row
+
+    @property
+    def length(self) -> int:  # T = P + G
+        return self.prompt_len + self.gen_length
+
+    def is_stop(self, tokens):
+        """Whether each token is an end-of-text token."""
+        return jnp.isin(tokens, jnp.asarray(self.stop_ids, jnp.int32))
+
+
+_REGISTRY: dict[str, type[Schedule]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Base of every sampler schedule.
+
+    Attributes:
+      gen_length: G, tokens generated per row.
+    """
+
+    # Registry name (set by a concrete sampler; None: not registered).
+    name: ClassVar[str | None] = None
+    # The statistics this schedule returns (a DecodeStats, or an extension of it whose
+    # extra fields `summary` fills).
+    stats_type: ClassVar[type[DecodeStats]] = DecodeStats
+    # Fields that `from_options` fills and callers do not pass as sampler options.
+    structural: ClassVar[tuple[str, ...]] = ("gen_length",)
+    gen_length: int
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name is not None:
+            _REGISTRY[name] = cls
+
+    def __post_init__(self):
+        if self.gen_length <= 0:
+            raise SamplerError(f"gen_length={self.gen_length}: must be positive")
+
+    # -- what the driver asks -------------------------------------------------------
+    @property
+    def uses_cache(self) -> bool:
+        """Whether the driver keeps a K/V cache of the canvas (cached calls allowed)."""
+        return False
+
+    @property
+    def guidance_scale(self) -> float:
+        """Classifier-free guidance scale of full forwards (0: none)."""
+        return 0.0
+
+    def max_iterations(self) -> int:
+        """The loop's step cap; hitting it is a bug signal, reported in the stats."""
+        raise NotImplementedError
+
+    def init(self, ctx: Context) -> Any:
+        """The schedule's initial state (a pytree of [b, ...] arrays)."""
+        raise NotImplementedError
+
+    def plan(self, ctx: Context, canvas, state, live) -> Plan:
+        """The next model call.
+
+        Args:
+          ctx: the canvas facts.
+          canvas: [b, T] int32.
+          state: the schedule's state.
+          live: [b] bool, rows not finished (padding rows of a batch bucket included
+            as finished).
+        Returns:
+          Plan.
+        """
+        raise NotImplementedError
+
+    def update(self, ctx: Context, canvas, state, out: CallOutput, key) -> tuple[Any, Any]:
+        """Commits from the call's logits.
+
+        Args:
+          ctx, canvas, state: as `plan`.
+          out: the call's output.
+          key: a PRNG key for this iteration.
+        Returns:
+          (canvas [b, T], new state). Only rows in out.serve may change (the driver
+          enforces it).
+        """
+        raise NotImplementedError
+
+    def done(self, ctx: Context, canvas, state):
+        """[b] bool: rows that are finished."""
+        raise NotImplementedError
+
+    def summary(self, ctx: Context, state) -> dict:
+        """Schedule-specific statistics from the final state (numpy arrays); the keys
+        are fields of `stats_type`."""
+        del ctx, state
+        return {}
+
+    # -- options --------------------------------------------------------------------
+    @classmethod
+    def from_options(cls, *, gen_length: int, **options) -> Schedule:
+        """Builds and validates the schedule from user options (defaults filled in)."""
+        fields = option_fields(cls)
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise SamplerError(
+                f"{cls.name}: unknown option(s) {unknown}; accepted: {sorted(fields)}")
+        try:
+            return cls(gen_length=gen_length, **options)
+        except TypeError as e:
+            raise SamplerError(f"{cls.name}: {e}") from None
+
+
+def registry() -> dict[str, type[Schedule]]:
+    """Every registered sampler by name (imports each module of the decoding package,
+    so a new sampler file registers itself)."""
+    import asynclane_jax.decoding as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get_schedule_class(name: str) -> type[Schedule]:
+    samplers = registry()
+    if name not in samplers:
+        raise SamplerError(f"unknown sampler {name!r}; available: {sorted(samplers)}")
+    return samplers[name]
+
+
+def option_fields(cls: type[Schedule]) -> dict[str, dataclasses.Field]:
+    """The user options of a schedule class: its fields except the structural ones."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.name not in cls.structural}
+
+
+def option_docs(cls: type) -> dict[str, str]:
+    """Field -> help text, from the `Attributes:` sections of the class and its bases
+    (the nearest definition wins). A section is `Attributes...:` followed by lines
+    `name: text` at one indentation, continued by deeper-indented lines."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        lines = (klass.__dict__.get("__doc__") or "").splitlines()
+        heads = [i for i, line in enumerate(lines) if line.strip().startswith("Attributes")]
+        if not heads:
+            continue
+        base, current = None, None
+        for line in lines[heads[0] + 1:]:
+            if not line.strip():
+                continue
+            indent = len(line) - len(line.lstrip())
+            base = indent if base is None else base
+            m = re.match(r"(\w+):\s*(.*)$", line.strip())
+            if indent < base:
+                break
+            if indent == base and m:
+                current = m.group(1)
+                docs[current] = m.group(2)
+            elif indent > base and current:
+                docs[current] += " " + line.strip()
+    return docs
+
+
+def option_type(cls: type, name: str):
+    """The scalar Python type of a field (int, float, str or bool), optional or not."""
+    hints = typing.get_type_hints(cls)
+    hint = hints[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0]

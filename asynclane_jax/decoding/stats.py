@@ -1,0 +1,78 @@
+"""The statistics every decode returns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class DecodeStats:
+    """Statistics of one `generate` call (schedules extend it with their own figures).
+
+    Reads like a dict too (`stats["nfe_full"]`); `to_dict()` is what `--json` prints.
+
+    Attributes:
+      sampler: the sampler's name; options: its settings.
+      steps: iterations of the slowest row; row_steps: [b] iterations serving each row.
+      iterations: loop iterations (a batch runs as long as its slowest row).
+      nfe, nfe_full, nfe_partial: model calls (full forwards, cached calls), per batch.
+      row_nfe_full, row_nfe_partial: [b] calls that served each row.
+      tokens_processed: query positions fed to the model, summed over rows.
+      commit_step: [b, G] the row iteration that committed each generated position.
+      generated_tokens: [b] tokens before the first end-of-text.
+      prompt_bucket, batch_bucket: the compiled shape (prompt length P, rows).
+      compiled: whether this call compiled the program (else it was reused).
+      compile_time, decode_time: seconds compiling (0 when reused) and decoding.
+      hit_step_cap: a row was still unfinished at the loop's step cap (a bug signal).
+    """
+
+    sampler: str
+    options: dict
+    steps: int
+    row_steps: np.ndarray
+    iterations: int
+    nfe: int
+    nfe_full: int
+    nfe_partial: int
+    row_nfe_full: np.ndarray
+    row_nfe_partial: np.ndarray
+    tokens_processed: int
+    commit_step: np.ndarray
+    generated_tokens: list[int]
+    prompt_bucket: int
+    batch_bucket: int
+    compiled: bool
+    compile_time: float
+    decode_time: float
+    hit_step_cap: bool
+
+    @property
+    def wall_time(self) -> float:
+        """compile_time + decode_time."""
+        return self.compile_time + self.decode_time
+
+    def __getitem__(self, key: str):
+        if key == "wall_time":
+            return self.wall_time
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def keys(self):
+        return [f.name for f in dataclasses.fields(self)] + ["wall_time"]
+
+    def to_dict(self) -> dict:
+        """JSON-ready: arrays become lists."""
+        out = {}
+        for k in self.keys():
+            v = self[k]
+            out[k] = v.tolist() if hasattr(v, "tolist") else v
+        return out
