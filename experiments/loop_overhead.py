@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from asynclane_jax.decoding import loop
-from asynclane_jax.decoding.api import build_canvas, make_policy
+from asynclane_jax.decoding import driver
+from asynclane_jax.decoding.api import build_canvas, make_schedule
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -43,19 +43,19 @@ def _model(name: str):
 def measure(model, prompts, sampler, opts, args) -> dict:
     """Times one sampler three ways; asserts they produce the same canvas."""
     cfg = model.cfg
-    policy = make_policy(sampler, gen_length=args.gen_length,
-                         block_length=args.block_length, **opts)
+    schedule = make_schedule(sampler, gen_length=args.gen_length,
+                             block_length=args.block_length, **opts)
     canvas, pad_len, _ = build_canvas(prompts, args.gen_length, cfg, 32)
     graphdef, params = nnx.split(model)
     call = (graphdef, params, jnp.asarray(canvas), jnp.asarray(pad_len),
-            jax.random.key(0))
+            jnp.ones((len(prompts),), bool), jax.random.key(0))
 
-    whole = jax.jit(loop.decode_loop, static_argnums=0, static_argnames=("policy",))
+    whole = jax.jit(driver.decode_loop, static_argnums=0, static_argnames=("schedule",))
 
     def run_while():
-        return jax.block_until_ready(whole(*call, policy=policy))
+        return jax.block_until_ready(whole(*call, schedule=schedule))
 
-    state0, body, cond = loop.build_loop(*call, policy=policy)
+    state0, body, cond = driver.build_loop(*call, schedule=schedule)
     body_jit = jax.jit(body)
 
     def run_python(step_fn=body_jit):
@@ -67,7 +67,7 @@ def measure(model, prompts, sampler, opts, args) -> dict:
     variants = {"while_loop": run_while, "python_loop": run_python}
     # Eager stepping is timed for cache-free samplers only: with a cache, the body's
     # lax.cond runs op by op and one decode takes minutes.
-    if not args.skip_eager and policy.cache == "none":
+    if not args.skip_eager and not schedule.uses_cache:
         variants["eager"] = lambda: run_python(body)
     times, finals = {}, {}
     for name, fn in variants.items():

@@ -179,3 +179,21 @@ def test_mask_token_is_never_committed():
                        **opts)
         assert not res.stats["hit_step_cap"]
         assert not np.any(res.tokens == cfg.mask_token_id)
+
+
+def test_batch_buckets_share_one_program_and_pad_rows_cost_no_steps():
+    """3 and 4 prompts compile one program (bucket 4); the padding row of the batch of 3
+    starts finished: it is never served and never holds back the others."""
+    from asynclane_jax.decoding.api import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, 16, 24]
+    model = make_model("llada", lm_scale=40.0, seed=4)
+    kw = dict(sampler="fast-dllm", gen_length=16, block_length=8, cache="dual")
+    four = generate(model, PROMPTS + [[9, 8, 7]], **kw)
+    three = generate(model, PROMPTS, **kw)
+    assert four.stats.compiled and not three.stats.compiled
+    assert four.stats.compile_time > 0 and three.stats.compile_time == 0.0
+    assert three.stats.batch_bucket == 4 and three.tokens.shape == (3, 16)
+    np.testing.assert_array_equal(three.tokens, four.tokens[:3])
+    assert three.stats.iterations <= four.stats.iterations
+    assert three.stats.to_dict()["row_steps"] == four.stats.row_steps[:3].tolist()

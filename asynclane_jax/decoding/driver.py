@@ -180,7 +180,8 @@ def decode_loop(graphdef, params, canvas, pad_len, live, rng, *,
     return jax.lax.while_loop(cond, body, state)
 
 
-def _decode_without_cache(graphdef, params, canvas, pad_len, live, rng, *, schedule):
+def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, *, schedule):
+    """`decode_loop` without the K/V cache in the result: what `generate` compiles."""
     state = decode_loop(graphdef, params, canvas, pad_len, live, rng, schedule=schedule)
     return state.replace(cache=None)  # large, and not needed by the caller
 
@@ -214,7 +215,7 @@ def compiled_decode(graphdef, params, canvas, pad_len, live, rng, *,
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], False
     t0 = time.perf_counter()
-    jitted = jax.jit(functools.partial(_decode_without_cache, graphdef, schedule=schedule))
+    jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule))
     fn = jitted.lower(params, canvas, pad_len, live, rng).compile()
     exe = Executable(fn=fn, compile_time=time.perf_counter() - t0)
     _EXECUTABLES[key] = exe
