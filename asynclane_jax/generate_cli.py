@@ -77,15 +77,13 @@ def _add_sampler_args(p) -> None:
 
 
 def _sampler_and_options(args) -> tuple[str, dict]:
-    from asynclane_jax.decoding.schedule import registry
+    from asynclane_jax.decoding.schedule import get_schedule_class
 
     sampler = args.sampler or DEFAULT_SAMPLER
+    get_schedule_class(sampler)  # an unknown name is an error before the model loads
     opts = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     if args.sampler is None:
         opts = {**DEFAULT_SAMPLER_OPTIONS.get(sampler, {}), **opts}
-    samplers = registry()
-    if sampler not in samplers:
-        raise UsageError(f"unknown sampler {sampler!r}; available: {sorted(samplers)}")
     return sampler, opts
 
 

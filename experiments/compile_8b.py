@@ -33,6 +33,7 @@ from flax import nnx
 
 from asynclane_jax.decoding import driver
 from asynclane_jax.decoding.api import make_schedule
+from asynclane_jax.decoding.schedule import parse_options
 from asynclane_jax.models import abstract_model, preset
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -92,13 +93,7 @@ def main():
                     help="compile for one chip of this TPU topology, e.g. v6e:1x1")
     ap.add_argument("--label", default="", help="a note stored with the row")
     args = ap.parse_args()
-    options = {}
-    for kv in args.option or ["cache=dual"]:
-        k, _, v = kv.partition("=")
-        try:
-            options[k] = json.loads(v)
-        except json.JSONDecodeError:
-            options[k] = v
+    options = parse_options(args.option or ["cache=dual"])
     row = measure(args.preset, args.batch, args.gen_length, args.prompt, args.sampler,
                   options, args.tpu)
     row["label"] = args.label

@@ -54,7 +54,7 @@ from flax import nnx
 
 from asynclane_jax.models import KVCache, abstract_model, init_model, preset
 from asynclane_jax.models.config import ModelConfig
-from asynclane_jax.models.model import DiffusionLM
+from asynclane_jax.models.model import DiffusionLM, query_block_ids
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -138,26 +138,16 @@ def scanned_forward(head: _Head, block_def, stacked, tokens, positions, *, key_m
     output head, `block_def` / `stacked` the blocks (see `stack_layers`).
     """
     cfg = head.cfg
-    b = tokens.shape[0]
     x = jnp.take(head.embed[...], tokens, axis=0).astype(cfg.jnp_dtype)
-    q_block = k_block = None
-    if block_ids is not None:
-        k_block = block_ids
-        q_block = (block_ids if cache is None else
-                   jnp.take_along_axis(block_ids, jnp.minimum(
-                       write_index, block_ids.shape[1] - 1), axis=1))
-    rows = jnp.arange(b)[:, None]
+    q_block, k_block = query_block_ids(block_ids, cache, write_index)
+    rows = jnp.arange(tokens.shape[0])[:, None]
 
     def body(carry, xs):
         x, cache = carry
         layer_state, i = xs
         layer = nnx.merge(block_def, layer_state)
-        q, k, v = layer.qkv(x, positions)
-        if cache is not None:
-            cache = cache.write(i, rows, write_index, k, v)
-            k, v = cache.k[i], cache.v[i]
-        x = layer(x, q, k, v, key_mask=key_mask, q_block=q_block, k_block=k_block,
-                  implementation=implementation)
+        x, cache = layer.step(i, x, positions, cache, rows, write_index, key_mask=key_mask,
+                              q_block=q_block, k_block=k_block, implementation=implementation)
         return (x, cache), None
 
     layer_ids = jnp.arange(cfg.n_layers, dtype=jnp.int32)
@@ -373,16 +363,30 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def write_results(stem: str, meta: dict, intro: list[str], rows: list[dict]) -> None:
+    """Writes experiments/results/<stem>.json ({"meta", "rows"}) and <stem>.md (the intro
+    lines, the table, and where the conclusion lives); prints the markdown."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                     indent=2) + "\n")
+    lines = [*intro, "", *table(rows), "",
+             "The conclusion drawn from these numbers is `LAYER_STACK_NOTE` in "
+             "experiments/layer_stack.py.", ""]
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def _machine() -> dict:
+    return {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+            "jax": jax.__version__}
+
+
 def write_tpu(rows: list[dict], args) -> None:
     """Writes the TPU compile rows to experiments/results/layer_stack_tpu.{md,json}."""
     meta = {"backend": f"tpu {args.tpu} (ahead of time, first chip; no TPU present)",
-            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-            "jax": jax.__version__, "big_preset": args.big_preset, "big_dtypes": ["bfloat16"],
+            **_machine(), "big_preset": args.big_preset, "big_dtypes": ["bfloat16"],
             "batch": args.batch, "canvas": args.canvas, "queries": args.queries}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "layer_stack_tpu.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                             indent=2) + "\n")
-    lines = [
+    write_results("layer_stack_tpu", meta, [
         "# Layer stack on TPU: unrolled Python loop vs lax.scan, ahead-of-time compile",
         "",
         "The big-model part of experiments/layer_stack.py (see results/layer_stack.md for "
@@ -396,15 +400,7 @@ def write_tpu(rows: list[dict], args) -> None:
         f"- Model: `{args.big_preset}` in bfloat16, abstract parameters, batch {args.batch}, "
         f"T = {args.canvas}, Q = {args.queries}. No float32 control and no run times.",
         f"- Compiled on: {meta['platform']}, {meta['cpu']}, jax {meta['jax']}.",
-        "",
-        *table(rows),
-        "",
-        "The conclusion drawn from these numbers is `LAYER_STACK_NOTE` in "
-        "experiments/layer_stack.py.",
-        "",
-    ]
-    (RESULTS / "layer_stack_tpu.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    ], rows)
 
 
 def main():
@@ -447,15 +443,11 @@ def main():
     rows += measure_mid(mid, args)
 
     meta = {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-            "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
-            "jax": jax.__version__, "big_preset": None if args.skip_big else args.big_preset,
+            **_machine(), "big_preset": None if args.skip_big else args.big_preset,
             "big_dtypes": args.big_dtypes.split(","),
             "batch": args.batch, "mid_batch": args.mid_batch, "canvas": args.canvas,
             "queries": args.queries, "repeats": args.repeats, "mid_config": mid.to_dict()}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "layer_stack.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                         indent=2) + "\n")
-    lines = [
+    write_results("layer_stack", meta, [
         "# Layer stack: unrolled Python loop vs lax.scan over stacked layer parameters",
         "",
         "Same forward in both variants (`Block.qkv`, `Block.__call__`, `KVCache.write`; the "
@@ -479,15 +471,7 @@ def main():
         f"- Machine: backend `{meta['backend']}` ({', '.join(meta['devices'])}), "
         f"{meta['platform']}, {meta['cpu']}, jax {meta['jax']}. CPU compile times and "
         "buffer sizes, not a GPU's.",
-        "",
-        *table(rows),
-        "",
-        "The conclusion drawn from these numbers is `LAYER_STACK_NOTE` in "
-        "experiments/layer_stack.py.",
-        "",
-    ]
-    (RESULTS / "layer_stack.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    ], rows)
 
 
 if __name__ == "__main__":

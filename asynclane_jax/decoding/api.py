@@ -53,9 +53,6 @@ def make_schedule(sampler: str, *, gen_length: int, **options) -> Schedule:
     return cls.from_options(gen_length=gen_length, **options)
 
 
-# The name used before schedules existed; kept for callers of the first API.
-make_policy = make_schedule
-
 
 def bucket_length(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket

@@ -24,7 +24,9 @@ sections of its docstrings, so adding a sampler touches one file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import json
 import pkgutil
 import re
 import typing
@@ -199,13 +201,19 @@ class Schedule:
             raise SamplerError(f"{cls.name}: {e}") from None
 
 
-def registry() -> dict[str, type[Schedule]]:
-    """Every registered sampler by name (imports each module of the decoding package,
-    so a new sampler file registers itself)."""
+@functools.cache
+def _import_sampler_modules() -> None:
+    """Imports each module of the decoding package once, so a new sampler file registers
+    itself without being listed anywhere."""
     import asynclane_jax.decoding as pkg
 
     for mod in pkgutil.iter_modules(pkg.__path__):
         importlib.import_module(f"{pkg.__name__}.{mod.name}")
+
+
+def registry() -> dict[str, type[Schedule]]:
+    """Every registered sampler by name."""
+    _import_sampler_modules()
     return dict(sorted(_REGISTRY.items()))
 
 
@@ -246,6 +254,19 @@ def option_docs(cls: type) -> dict[str, str]:
             elif indent > base and current:
                 docs[current] += " " + line.strip()
     return docs
+
+
+def parse_options(pairs) -> dict:
+    """Sampler options from KEY=VALUE strings (command lines); a value that reads as
+    JSON (0.9, true, null) is taken as such, anything else as a string."""
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def option_type(cls: type, name: str):

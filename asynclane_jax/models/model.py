@@ -109,6 +109,18 @@ def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementat
                                         implementation=implementation)
 
 
+def query_block_ids(block_ids, cache, write_index):
+    """(q_block, k_block) for `attention` from the block id of every canvas column
+    [b, T]: the queries are the canvas itself without a cache, else the columns
+    write_index [b, Q]. (None, None) when block_ids is None (bidirectional)."""
+    if block_ids is None:
+        return None, None
+    if cache is None:
+        return block_ids, block_ids
+    read = jnp.minimum(write_index, block_ids.shape[1] - 1)
+    return jnp.take_along_axis(block_ids, read, axis=1), block_ids
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, H, K, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -150,7 +162,6 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
-        self.dtype = cfg.jnp_dtype
 
     def qkv(self, x, positions):
         """Queries, keys and values of x [b, Q, d] (after RoPE): [b, Q, H|K, h]."""
@@ -170,6 +181,24 @@ class Block(nnx.Module):
         h = x + self.attn.out(attention(q, keys, values, key_mask=key_mask, q_block=q_block,
                                         k_block=k_block, implementation=implementation))
         return h + self.mlp(self.mlp_norm(h))
+
+    def step(self, index, x, positions, cache, rows, write_index, **attention_kw):
+        """One layer of `DiffusionLM.forward`: with a cache, the queries' fresh K/V are
+        written into layer `index` of it and the queries attend to the whole layer.
+
+        Args:
+          index: the layer's index in the cache (a Python int, or traced in a scan).
+          x: [b, Q, d]; positions: [b, Q].
+          cache: KVCache or None; rows: arange(b)[:, None]; write_index: [b, Q].
+          **attention_kw: key_mask, q_block, k_block, implementation (see `attention`).
+        Returns:
+          (x [b, Q, d], the updated cache or None).
+        """
+        q, k, v = self.qkv(x, positions)
+        if cache is not None:
+            cache = cache.write(index, rows, write_index, k, v)
+            k, v = cache.k[index], cache.v[index]
+        return self(x, q, k, v, **attention_kw), cache
 
 
 @struct.dataclass
@@ -243,22 +272,13 @@ class DiffusionLM(nnx.Module):
         Returns:
           (logits [b, Q or n, V] float32, the updated cache or None).
         """
-        b = tokens.shape[0]
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
-        q_block = k_block = None
-        if block_ids is not None:
-            k_block = block_ids
-            q_block = (block_ids if cache is None else
-                       jnp.take_along_axis(block_ids, jnp.minimum(
-                           write_index, block_ids.shape[1] - 1), axis=1))
-        rows = jnp.arange(b)[:, None]
+        q_block, k_block = query_block_ids(block_ids, cache, write_index)
+        rows = jnp.arange(tokens.shape[0])[:, None]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.qkv(x, positions)
-            if cache is not None:
-                cache = cache.write(i, rows, write_index, k, v)
-                k, v = cache.k[i], cache.v[i]
-            x = layer(x, q, k, v, key_mask=key_mask, q_block=q_block, k_block=k_block,
-                      implementation=self.attention_implementation)
+            x, cache = layer.step(i, x, positions, cache, rows, write_index,
+                                  key_mask=key_mask, q_block=q_block, k_block=k_block,
+                                  implementation=self.attention_implementation)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         return self._logits(x).astype(jnp.float32), cache

@@ -124,14 +124,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from asynclane_jax import load
+    from asynclane_jax.decoding.schedule import parse_options
 
-    options = {}
-    for kv in args.option:
-        key, _, value = kv.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
+    options = parse_options(args.option)
     model, tokenizer, _ = load(args.model)
     t0 = time.time()
 
