@@ -6,6 +6,7 @@ Subcommands:
             checkpoints_convert through the `asynclane_jax.commands` entry points)
   generate  decode a prompt with a sampler
   eval      accuracy and speed of a sampler on the testbed's held-out problems
+  bench     samplers side by side (accuracy, tokens/s) at several generation lengths
 
 Errors a user can cause are printed as one line on stderr with exit status 2; no
 traceback.
@@ -18,7 +19,7 @@ import json
 import sys
 from importlib import metadata
 
-from asynclane_jax import generate_cli
+from asynclane_jax import bench, generate_cli
 from asynclane_jax.errors import USER_ERRORS, UsageError
 from asynclane_jax.models.config import PRESETS
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_info)
 
     generate_cli.register(sub)
+    bench.register(sub)
     for entry in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         entry.load()(sub)
     return parser

@@ -1,5 +1,8 @@
 """`asynclane-jax generate` and `asynclane-jax eval`.
 
+`generate --trace FILE.png` draws the decode order of the prompt
+(asynclane_jax.decoding.trace).
+
 Sampler options are not listed here: every option of every registered sampler becomes a
 flag (`--relaxed-threshold`), with its type and help taken from the schedule's dataclass
 field and docstring (asynclane_jax.decoding.schedule).
@@ -14,9 +17,9 @@ import sys
 from asynclane_jax.errors import UsageError
 
 DEFAULT_MODEL = "tiny-llada"
-# The fastest sampler available, with its fastest setting.
-DEFAULT_SAMPLER = "fast-dllm"
-DEFAULT_SAMPLER_OPTIONS = {"fast-dllm": {"cache": "dual"}}
+# The fastest sampler (experiments/results/asynclane.md), at its defaults.
+DEFAULT_SAMPLER = "asynclane"
+DEFAULT_SAMPLER_OPTIONS: dict[str, dict] = {"asynclane": {}}
 
 
 def _parse_bool(text: str) -> bool:
@@ -110,6 +113,12 @@ def _cmd_generate(args) -> int:
 
     gen_length = _gen_length(args, 128)
     sampler, opts = _sampler_and_options(args)
+    if args.trace:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--trace needs matplotlib: pip install 'asynclane-jax[plots]'") \
+                from None
     model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL)
     if tokenizer is None:
         raise UsageError(f"model {args.model} has no tokenizer; use the Python API with "
@@ -132,6 +141,11 @@ def _cmd_generate(args) -> int:
     res = asynclane_jax.generate(model, [list(ids)], sampler=sampler, gen_length=gen_length,
                                  tokenizer=tokenizer, seed=args.seed, **opts)
     stats = res.stats
+    if args.trace:
+        from asynclane_jax.decoding.trace import save_decode_order
+
+        save_decode_order(res, args.trace, tokenizer=tokenizer, stop_ids=cfg.stop_token_ids)
+        print(f"asynclane-jax generate: decode order drawn in {args.trace}", file=sys.stderr)
     if args.json:
         print(json.dumps({"text": res.text[0], "tokens": res.tokens[0].tolist(),
                           "stats": stats.to_dict()}))
@@ -174,6 +188,9 @@ def register(sub) -> None:
                    help=f"converted folder or shipped model name (default {DEFAULT_MODEL})")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help='print {"text", "tokens", "stats"}')
+    p.add_argument("--trace", default=None, metavar="FILE.png",
+                   help="draw the decode order (position against commit step) as a PNG "
+                        "(needs matplotlib)")
     _add_sampler_args(p)
     p.set_defaults(func=_cmd_generate)
 

@@ -43,7 +43,9 @@ def test_generate_plain_text(model_dir, capsys):
     (["--sampler", "nope"], "unknown sampler 'nope'"),
     (["--sampler", "fast-dllm", "--threshold", "2"], "threshold=2.0 must be in (0, 1]"),
     (["--sampler", "vanilla", "--cache", "dual"], "cache must be 'none'"),
-    (["--gen-length", "20", "--block-length", "8"], "not a multiple of block_length"),
+    (["--sampler", "fast-dllm", "--gen-length", "20", "--block-length", "8"],
+     "not a multiple of block_length"),
+    (["--max-lanes", "0"], "max_lanes=0 must be >= 1"),
 ])
 def test_generate_bad_options_one_line(model_dir, capsys, argv, needle):
     rc = main(["generate", "ann has 7 coins .", "--model", str(model_dir), *argv])

@@ -101,7 +101,7 @@ def _cut_at_stop(ids: np.ndarray, stop_ids) -> list[int]:
     return out
 
 
-def generate(model, prompts, *, sampler: str | Schedule = "fast-dllm", gen_length: int = 128,
+def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_length: int = 128,
              tokenizer=None, rng=None, seed: int = 0, bucket: int = DEFAULT_BUCKET,
              pad_batch: bool = True, **sampler_options) -> GenerationResult:
     """Generates continuations of a batch of prompts with one compiled decode loop.
@@ -140,6 +140,7 @@ def generate(model, prompts, *, sampler: str | Schedule = "fast-dllm", gen_lengt
         sampler = schedule.name or type(schedule).__name__
     else:
         schedule = make_schedule(sampler, gen_length=gen_length, **sampler_options)
+    schedule = schedule.bind(tokenizer, cfg)
     canvas, pad_len, P = build_canvas(prompts, gen_length, cfg, bucket)
     n = len(prompts)
     rows = batch_bucket(n) if pad_batch else n

@@ -1,6 +1,7 @@
 """The one decode driver: a single jitted lax.while_loop over a fixed-shape carry.
 
-The driver knows nothing about blocks, lanes or thresholds. One iteration:
+The driver knows nothing about blocks, lanes or thresholds. A schedule may ask for one
+first call of its own shape before the loop (`Schedule.first_plan`). One iteration:
   1. the schedule plans the call (schedule.py: `Plan`);
   2. the driver makes it: a full forward over the whole canvas (its K/V become the cache
      of the rows it serves, when the schedule caches), or a cached call of the planned
@@ -107,20 +108,26 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
     )
     max_iter = schedule.max_iterations()
 
+    def keys_of(plan: Plan):
+        if plan.visible is None:
+            return key_mask
+        return key_mask & (cols < plan.visible[:, None])
+
     def full_call(st: DecodeState, plan: Plan, serve):
         # Logits are read at the planned columns; every column is (re-)encoded.
         read = jnp.minimum(plan.positions, T - 1)
+        keys = keys_of(plan)
         if cfg_scale > 0:
             # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
             uncond = jnp.where(cols < P, ctx.mask_id, st.canvas)
             two = lambda a: jnp.concatenate([a, a], axis=0)
             both, _ = model.forward(jnp.concatenate([st.canvas, uncond], axis=0),
-                                    two(positions), key_mask=two(key_mask),
+                                    two(positions), key_mask=two(keys),
                                     logits_index=two(read))
             cond, unc = jnp.split(both, 2, axis=0)
             return unc + (cfg_scale + 1.0) * (cond - unc), st
         write = jnp.where(serve[:, None], cols, T)  # only served rows' cache is replaced
-        logits, cache = model.forward(st.canvas, positions, key_mask=key_mask, cache=st.cache,
+        logits, cache = model.forward(st.canvas, positions, key_mask=keys, cache=st.cache,
                                       write_index=write if use_cache else None,
                                       logits_index=read)
         return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
@@ -133,15 +140,14 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
         tokens_q = jnp.take_along_axis(st.canvas, read, axis=1)
         pos_q = jnp.take_along_axis(positions, read, axis=1)
         write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
-        logits, cache = model.forward(tokens_q, pos_q, key_mask=key_mask, cache=st.cache,
+        logits, cache = model.forward(tokens_q, pos_q, key_mask=keys_of(plan), cache=st.cache,
                                       write_index=write)
         n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
         return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
                                   tokens_processed=st.tokens_processed + n,
                                   row_partial=st.row_partial + serve)
 
-    def body(st: DecodeState) -> DecodeState:
-        plan = schedule.plan(ctx, st.canvas, st.sched, ~st.finished)
+    def step(st: DecodeState, plan: Plan) -> DecodeState:
         serve = plan.serve & ~st.finished
         if use_cache:
             logits, st = jax.lax.cond(plan.full, full_call, cached_call, st, plan, serve)
@@ -161,8 +167,15 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
             finished=st.finished | schedule.done(ctx, canvas, sched),
             row_steps=st.row_steps + serve, step=st.step + 1)
 
+    def body(st: DecodeState) -> DecodeState:
+        return step(st, schedule.plan(ctx, st.canvas, st.sched, ~st.finished))
+
     def cond(st: DecodeState):
         return jnp.any(~st.finished) & (st.step < max_iter)
+
+    first = schedule.first_plan(ctx, state.canvas, state.sched, ~state.finished)
+    if first is not None:
+        state = jax.lax.cond(jnp.any(~state.finished), step, lambda st, _: st, state, first)
 
     return state, body, cond
 

@@ -5,7 +5,9 @@ compiled program. Each iteration of the driver's one `lax.while_loop`:
 
   1. `plan(ctx, canvas, state, live) -> Plan`: per row a fixed number Q of canvas
      columns to query (padded with T, an index that is dropped), whether the call is a
-     full forward over the whole canvas, and which rows the call serves;
+     full forward over the whole canvas, which rows the call serves, and optionally how
+     much of the canvas the call may attend to (`first_plan` may ask for one first call
+     of another query count);
   2. the driver makes the model call (full, or cached against the K/V of the whole
      canvas) and keeps the cache, counters and rng;
   3. `update(ctx, canvas, state, out, key) -> (canvas, state)`: commits anywhere on
@@ -50,6 +52,10 @@ class Plan:
     positions: jax.Array  # [b, Q] int32 canvas columns queried; T marks an unused slot
     full: jax.Array  # [] bool: a full forward over the whole canvas (else a cached call)
     serve: jax.Array  # [b] bool: rows the call serves; other rows' canvas stays as it is
+    # [b] int32 or None: keys at canvas columns >= visible are not attended in this call
+    # (None: the whole canvas). A schedule that hides a region never queried yet keeps
+    # the cache's unwritten columns out of attention.
+    visible: jax.Array | None = None
 
 
 @struct.dataclass
@@ -130,6 +136,12 @@ class Schedule:
         if self.gen_length <= 0:
             raise SamplerError(f"gen_length={self.gen_length}: must be positive")
 
+    def bind(self, tokenizer, cfg) -> Schedule:
+        """The schedule with what it needs from the tokenizer and model config resolved
+        (e.g. delimiter token ids); called by `generate` before compiling."""
+        del tokenizer, cfg
+        return self
+
     # -- what the driver asks -------------------------------------------------------
     @property
     def uses_cache(self) -> bool:
@@ -162,6 +174,14 @@ class Schedule:
           Plan.
         """
         raise NotImplementedError
+
+    def first_plan(self, ctx: Context, canvas, state, live) -> Plan | None:
+        """An optional first call, made once before the loop, whose query count may
+        differ from `plan`'s (e.g. a cached call over a prefix of the canvas instead of a
+        full forward); its output goes through `update` as any other. None: the loop
+        starts with `plan`."""
+        del ctx, canvas, state, live
+        return None
 
     def update(self, ctx: Context, canvas, state, out: CallOutput, key) -> tuple[Any, Any]:
         """Commits from the call's logits.

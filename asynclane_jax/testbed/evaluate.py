@@ -75,7 +75,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
         chunk = problems[start:start + batch_size]
         res = generate(model, prompts[start:start + batch_size], sampler=sampler,
                        gen_length=gen_length, block_length=block_length, bucket=bucket,
-                       **sampler_options)
+                       tokenizer=tokenizer or tok.hf_tokenizer(), **sampler_options)
         st = res.stats
         wall += st.decode_time
         compile_s += st.compile_time

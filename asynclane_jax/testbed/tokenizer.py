@@ -101,6 +101,16 @@ def build_hf_tokenizer():
     return tok
 
 
+@functools.lru_cache(maxsize=1)
+def hf_tokenizer():
+    """The vocabulary as a transformers PreTrainedTokenizerFast (what `load` gives for a
+    shipped model), for callers that have no tokenizer of their own."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_hf_tokenizer(), eos_token=EOS,
+                                   pad_token=EOS, mask_token=MASK, unk_token=UNK)
+
+
 def save_tokenizer(folder) -> pathlib.Path:
     """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json."""
     folder = pathlib.Path(folder)

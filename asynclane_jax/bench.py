@@ -1,0 +1,493 @@
+"""`asynclane-jax bench`: samplers side by side on the testbed's held-out problems.
+
+  asynclane-jax bench --model tiny-llada --samplers vanilla,fast-dllm,localleap \\
+      --gen-lengths 128,256,512 --n 50 [--batch 1] [--json FILE] [--plot FILE.png]
+
+A sampler spec is `NAME` or `NAME:key=value:key=value`; a value reads as JSON when it
+parses (0.8, true) and as a string otherwise. A value may list alternatives with `|`
+(`fast-dllm:cache=prefix|dual`): every combination is run and the spec's row reports
+the fastest one (highest tokens/s), with the options it used. `fast-dllm` and
+`localleap` take `cache=prefix|dual` when the spec names no cache (their best setting:
+the faster of prefix and dual cache, their other options at their defaults).
+
+Measurement. All runs share one prompt bucket (the longest prompt), so each program
+compiles once. Per generation length, every variant is first compiled by one call on the
+first batch (not timed; its compile time is reported as compile_s); then every batch of
+prompts is decoded by every variant in turn, the order rotated from batch to batch, so
+that machine noise hits all variants alike. Times are `stats.decode_time` (compilation
+excluded).
+
+Row fields (one row per spec and generation length):
+  model, sampler (the spec as given), options (the options of the variant chosen),
+  gen_length, n, batch;
+  accuracy: exact-match accuracy of the final answer;
+  tps: tokens before the first end-of-text, summed over problems, per second of decoding;
+  nfe_per_token: model calls serving a row (full + cached) per generated token, summed
+    over problems; tokens_per_call: its inverse (both None when nothing was generated);
+  steps: mean loop iterations serving a problem;
+  wall_s: seconds of decoding; compile_s: seconds compiling (0 when the program was
+    already compiled in this process);
+  speedup_vs_fastest_baseline: tps over the highest tps at the same gen_length among
+    rows whose sampler is not `asynclane` (None when there is none);
+  speedup_vs_fastest_early_stop: tps over the highest tps at the same gen_length among
+    rows run with early_stop true (None when there is none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import pathlib
+import platform
+import sys
+
+import numpy as np
+
+from asynclane_jax.errors import UsageError
+
+DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
+                    "localleap:early_stop=true", "asynclane")
+DEFAULT_GEN_LENGTHS = (128, 256, 512)
+# Options a spec gets when it does not set them: each sampler at its best setting.
+DEFAULT_OPTIONS = {"fast-dllm": {"cache": "prefix|dual"},
+                   "localleap": {"cache": "prefix|dual"}}
+# Rows of this sampler are not baselines (speedup_vs_fastest_baseline).
+NEW_SAMPLER = "asynclane"
+
+ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "accuracy", "tps",
+            "nfe_per_token", "tokens_per_call", "steps", "wall_s", "compile_s",
+            "speedup_vs_fastest_baseline", "speedup_vs_fastest_early_stop")
+
+
+def default_specs() -> list[str]:
+    """DEFAULT_SAMPLERS, those whose sampler is registered."""
+    from asynclane_jax.decoding.schedule import registry
+
+    return [s for s in DEFAULT_SAMPLERS if s.split(":")[0] in registry()]
+
+
+def parse_spec(spec: str) -> tuple[str, list[dict]]:
+    """Reads a sampler spec.
+
+    Args:
+      spec: `NAME` or `NAME:key=value:...`; a value may list alternatives with `|`.
+    Returns:
+      (sampler name, one options dict per combination of alternatives, in order).
+      DEFAULT_OPTIONS are filled in for the keys the spec leaves out.
+    Raises:
+      UsageError: an empty name, a part without `=`, a key given twice, an empty
+        alternative.
+    """
+    from asynclane_jax.decoding.schedule import parse_options
+
+    name, *parts = spec.strip().split(":")
+    name = name.strip()
+    if not name:
+        raise UsageError(f"sampler spec {spec!r}: no sampler name")
+    choices: dict[str, list] = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise UsageError(f"sampler spec {spec!r}: {part!r} is not key=value")
+        if key in choices:
+            raise UsageError(f"sampler spec {spec!r}: option {key!r} given twice")
+        alts = value.split("|")
+        if any(not a.strip() for a in alts):
+            raise UsageError(f"sampler spec {spec!r}: {part!r} has an empty value")
+        choices[key] = [parse_options([f"{key}={a.strip()}"])[key] for a in alts]
+    for key, value in DEFAULT_OPTIONS.get(name, {}).items():
+        if key not in choices:
+            choices[key] = [parse_options([f"{key}={a}"])[key] for a in value.split("|")]
+    keys = list(choices)
+    return name, [dict(zip(keys, combo)) for combo in itertools.product(*choices.values())]
+
+
+def _check_types(name: str, options: dict) -> None:
+    """An option value of the wrong type is a one-line error (e.g. threshold=high)."""
+    from asynclane_jax.decoding.schedule import get_schedule_class, option_fields, option_type
+
+    cls = get_schedule_class(name)
+    fields = option_fields(cls)
+    for key, value in options.items():
+        if key not in fields or value is None:
+            continue  # unknown options are reported by the schedule itself
+        typ = option_type(cls, key)
+        if typ is bool:
+            ok = isinstance(value, bool)
+        elif typ is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, typ) and not isinstance(value, bool)
+        if not ok:
+            raise UsageError(f"{name}: option {key}={value!r} is not a {typ.__name__}")
+
+
+def validate(specs, gen_lengths) -> list[tuple[str, str, list[dict]]]:
+    """Parses every spec and builds every schedule it asks for at every generation
+    length, so that a bad name or option fails before any decoding.
+
+    Returns:
+      [(spec, sampler name, options per variant)].
+    """
+    from asynclane_jax.decoding.api import make_schedule
+
+    if not specs:
+        raise UsageError("no samplers given")
+    if len(set(specs)) != len(specs):
+        raise UsageError(f"a sampler spec is given twice: {list(specs)}")
+    for g in gen_lengths:
+        if g <= 0:
+            raise UsageError(f"gen length {g}: must be a positive number of tokens")
+    parsed = []
+    for spec in specs:
+        name, variants = parse_spec(spec)
+        for opts in variants:
+            _check_types(name, opts)
+            for g in gen_lengths:
+                make_schedule(name, gen_length=g, **opts)
+        parsed.append((spec, name, variants))
+    return parsed
+
+
+class _Tally:
+    """What one variant has measured at one generation length."""
+
+    def __init__(self):
+        self.ok: list[bool] = []
+        self.steps: list[int] = []
+        self.gen_tokens = self.row_nfe = 0
+        self.wall = self.compile = 0.0
+
+    def add(self, res, ok: list[bool]) -> None:
+        st = res.stats
+        self.wall += st.decode_time
+        self.gen_tokens += int(np.sum(st.generated_tokens))
+        self.row_nfe += int(np.sum(np.asarray(st.row_nfe_full) + np.asarray(st.row_nfe_partial)))
+        self.steps.extend(int(x) for x in st.row_steps)
+        self.ok.extend(ok)
+
+    def metrics(self) -> dict:
+        gen, nfe, wall = self.gen_tokens, self.row_nfe, self.wall
+        return {
+            "accuracy": float(np.mean(self.ok)) if self.ok else 0.0,
+            "tps": gen / wall if wall > 0 else 0.0,
+            "nfe_per_token": nfe / gen if gen else None,
+            "tokens_per_call": gen / nfe if nfe else None,
+            "steps": float(np.mean(self.steps)) if self.steps else 0.0,
+            "wall_s": wall,
+            "compile_s": self.compile,
+        }
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Fills speedup_vs_fastest_baseline and speedup_vs_fastest_early_stop in place, per
+    gen_length (see the module docstring); returns rows."""
+    for g in {r["gen_length"] for r in rows}:
+        same = [r for r in rows if r["gen_length"] == g]
+        base = [r["tps"] for r in same if parse_spec(r["sampler"])[0] != NEW_SAMPLER]
+        early = [r["tps"] for r in same if r["options"].get("early_stop") is True]
+        best_base = max(base, default=0.0)
+        best_early = max(early, default=0.0)
+        for r in same:
+            r["speedup_vs_fastest_baseline"] = r["tps"] / best_base if best_base > 0 else None
+            r["speedup_vs_fastest_early_stop"] = (r["tps"] / best_early if best_early > 0
+                                                  else None)
+    return rows
+
+
+def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_length=None,
+              *, model_name: str | None = None, variants: list | None = None) -> list[dict]:
+    """Runs every sampler spec at every generation length on the first n held-out
+    problems of the testbed, interleaved (see the module docstring).
+
+    Args:
+      model, tokenizer: as `asynclane_jax.load` returns them (tokenizer may be None: the
+        testbed's own encoder).
+      specs: sampler specs (`parse_spec`).
+      gen_lengths: generation lengths, run in this order.
+      n: problems; batch: prompts per generate call.
+      progress: a tqdm bar over all runs on stderr.
+      on_length: optional callback(rows so far), called after each generation length.
+      model_name: the `model` field of the rows (default: the config's family).
+      variants: an optional list that receives one dict per variant measured (spec,
+        sampler, options, gen_length and the metrics of a row), chosen or not.
+    Returns:
+      The rows, ROW_KEYS each, in (gen_length, spec) order.
+    """
+    from asynclane_jax.decoding.api import generate
+    from asynclane_jax.testbed import evaluate, tasks
+
+    if n <= 0:
+        raise UsageError(f"--n {n}: must be a positive number of problems")
+    if batch <= 0:
+        raise UsageError(f"--batch {batch}: must be a positive number of prompts")
+    gen_lengths = list(gen_lengths)
+    parsed = validate(list(specs), gen_lengths)
+    cfg = model.cfg
+    problems = tasks.split("heldout", n)
+    prompts = evaluate.prompts_for(problems, tokenizer)
+    bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
+    too_long = [g for g in gen_lengths if bucket + g > cfg.max_seq_len]
+    if too_long:
+        raise UsageError(f"gen length(s) {too_long} do not fit the model: prompts of "
+                         f"{bucket} tokens + gen length > max_seq_len {cfg.max_seq_len}")
+    model_name = model_name or cfg.family
+    chunks = [range(s, min(s + batch, n)) for s in range(0, n, batch)]
+    runs = [(spec, name, opts) for spec, name, alts in parsed for opts in alts]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(gen_lengths) * len(runs) * (len(chunks) + 1), unit="run",
+                   file=sys.stderr, dynamic_ncols=True)
+    rows: list[dict] = []
+    try:
+        for g in gen_lengths:
+            accs = [_Tally() for _ in runs]
+
+            def decode(i, chunk, g=g, accs=accs):
+                spec, name, opts = runs[i]
+                if bar is not None:
+                    bar.set_description(f"{g} {spec} {opts}"[:60])
+                res = generate(model, [prompts[j] for j in chunk], sampler=name,
+                               gen_length=g, bucket=bucket, tokenizer=tokenizer, **opts)
+                accs[i].compile += res.stats.compile_time
+                if bar is not None:
+                    bar.update(1)
+                return res
+
+            for i in range(len(runs)):  # warm-up: compile every program once
+                decode(i, chunks[0])
+            for c, chunk in enumerate(chunks):
+                for k in range(len(runs)):  # every variant on this chunk, order rotated
+                    i = (c + k) % len(runs)
+                    res = decode(i, chunk)
+                    accs[i].add(res, [evaluate.check(problems[j], row)
+                                      for j, row in zip(chunk, res.tokens)])
+            measured = [{"spec": spec, "sampler": name, "options": opts, "gen_length": g,
+                         **acc.metrics()}
+                        for (spec, name, opts), acc in zip(runs, accs)]
+            if variants is not None:
+                variants.extend(measured)
+            for spec, _, _ in parsed:
+                best = max((m for m in measured if m["spec"] == spec),
+                           key=lambda m: m["tps"])
+                row = {"model": model_name, "sampler": spec, "options": best["options"],
+                       "gen_length": g, "n": n, "batch": batch,
+                       **{k: best[k] for k in ("accuracy", "tps", "nfe_per_token",
+                                               "tokens_per_call", "steps", "wall_s",
+                                               "compile_s")},
+                       "speedup_vs_fastest_baseline": None,
+                       "speedup_vs_fastest_early_stop": None}
+                rows.append(row)
+            add_speedups(rows)
+            if on_length is not None:
+                on_length(rows)
+    finally:
+        if bar is not None:
+            bar.close()
+    return rows
+
+
+def bench_meta(model_name: str, n: int, batch: int, specs, gen_lengths) -> dict:
+    """The `meta` object of the JSON file: what ran where."""
+    import jax
+
+    import asynclane_jax
+
+    dev = jax.devices()[0]
+    return {"model": model_name, "samplers": list(specs), "gen_lengths": list(gen_lengths),
+            "n": n, "batch": batch, "split": "heldout", "backend": jax.default_backend(),
+            "device": getattr(dev, "device_kind", str(dev)),
+            "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
+            "jax": jax.__version__, "asynclane_jax": asynclane_jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_json(path, meta: dict, rows: list[dict]) -> None:
+    """Writes {"meta", "rows"} atomically (a temporary file renamed over path)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _opts_text(opts: dict) -> str:
+    return " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                    for k, v in opts.items())
+
+
+TABLE_HEAD = ("gen", "sampler", "chosen options", "accuracy", "tokens/s", "vs baseline",
+              "vs early-stop", "calls/token", "steps", "decode s", "compile s")
+
+
+def table_rows(rows: list[dict]) -> list[tuple[str, ...]]:
+    """The cells of the summary table, one tuple per row (TABLE_HEAD)."""
+    return [(str(r["gen_length"]), r["sampler"], _opts_text(r["options"]),
+             f"{100 * r['accuracy']:.1f}%", f"{r['tps']:.1f}",
+             _fmt(r["speedup_vs_fastest_baseline"], ".2f", "x"),
+             _fmt(r["speedup_vs_fastest_early_stop"], ".2f", "x"),
+             _fmt(r["nfe_per_token"], ".3f"), f"{r['steps']:.1f}", f"{r['wall_s']:.2f}",
+             f"{r['compile_s']:.1f}") for r in rows]
+
+
+def to_markdown(rows: list[dict], meta: dict) -> str:
+    """A markdown report: what ran, then one table row per bench row."""
+    lines = [f"# Samplers on `{meta.get('model')}`", "",
+             f"{meta.get('n')} held-out problems per row, batch {meta.get('batch')}; backend "
+             f"{meta.get('backend')} ({meta.get('device')}, {meta.get('machine')}), "
+             f"{meta.get('date')}. Tokens/s: tokens before the first end-of-text per second "
+             "of decoding, compilation excluded; samplers interleaved batch by batch. A "
+             "spec with alternatives (`a|b`) reports its fastest; `chosen options` names "
+             "it. vs baseline: tokens/s over the fastest row at the same length whose "
+             "sampler is not asynclane; vs early-stop: over the fastest row run with "
+             "early_stop=true.", "",
+             "| " + " | ".join(TABLE_HEAD) + " |",
+             "|" + "---|" * len(TABLE_HEAD)]
+    for cells in table_rows(rows):
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def print_table(rows: list[dict], file=None) -> None:
+    """The summary table: drawn with `rich` on a terminal when it is installed, else
+    plain aligned text."""
+    file = file or sys.stdout
+    cells = table_rows(rows)
+    try:
+        if not file.isatty():
+            raise ImportError  # plain text for files and pipes
+        from rich.console import Console
+        from rich.table import Table
+    except (ImportError, AttributeError):
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(TABLE_HEAD)]
+        for line in (TABLE_HEAD, *cells):
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip(), file=file)
+        return
+    table = Table(*TABLE_HEAD)
+    for c in cells:
+        table.add_row(*c)
+    Console(file=file).print(table)
+
+
+def _require_matplotlib(flag: str) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{flag} needs matplotlib: pip install 'asynclane-jax[plots]'") from None
+
+
+def plot_rows(rows: list[dict], path, meta: dict | None = None):
+    """Two panels against gen_length, one line per sampler spec: tokens/s (log scale) and
+    accuracy. Saved as PNG (Agg); returns the matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax_tps, ax_acc = fig.subplots(1, 2)
+    markers = "osD^v<>ph*"
+    for k, spec in enumerate(dict.fromkeys(r["sampler"] for r in rows)):
+        sel = sorted((r for r in rows if r["sampler"] == spec), key=lambda r: r["gen_length"])
+        x = [r["gen_length"] for r in sel]
+        style = dict(marker=markers[k % len(markers)], label=spec)
+        ax_tps.plot(x, [r["tps"] for r in sel], **style)
+        ax_acc.plot(x, [100 * r["accuracy"] for r in sel], **style)
+    lengths = sorted({r["gen_length"] for r in rows})
+    for ax in (ax_tps, ax_acc):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("gen length")
+        ax.set_xticks(lengths, labels=[str(g) for g in lengths])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+    ax_tps.set_yscale("log")
+    ax_tps.set_ylabel("tokens / s (decoding)")
+    ax_acc.set_ylabel("accuracy (%)")
+    ax_acc.set_ylim(-2, 102)
+    ax_acc.legend(fontsize=8)
+    if meta:
+        fig.suptitle(f"{meta.get('model')}: {meta.get('n')} held-out problems, batch "
+                     f"{meta.get('batch')}, {meta.get('backend')} ({meta.get('device')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    return fig
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+
+
+def _cmd_bench(args) -> int:
+    import asynclane_jax
+
+    if args.samplers is None:
+        specs = default_specs()
+    else:
+        specs = [s.strip() for s in args.samplers.split(",") if s.strip()]
+    gen_lengths = args.gen_lengths or list(DEFAULT_GEN_LENGTHS)
+    if args.n <= 0:
+        raise UsageError(f"--n {args.n}: must be a positive number of problems")
+    if args.batch <= 0:
+        raise UsageError(f"--batch {args.batch}: must be a positive number of prompts")
+    validate(specs, gen_lengths)  # before the model loads
+    if args.plot:
+        _require_matplotlib("--plot")
+    model_name = args.model
+    model, tokenizer, _ = asynclane_jax.load(model_name)
+    meta = bench_meta(str(model_name), args.n, args.batch, specs, gen_lengths)
+
+    def on_length(rows):
+        if args.json:
+            write_json(args.json, meta, rows)
+
+    rows = run_bench(model, tokenizer, specs, gen_lengths, args.n, args.batch,
+                     progress=not args.quiet, on_length=on_length, model_name=str(model_name))
+    print_table(rows)
+    if args.plot:
+        plot_rows(rows, args.plot, meta)
+    return 0
+
+
+def register(sub) -> None:
+    """Adds the `bench` subcommand to an argparse subparsers object."""
+    p = sub.add_parser("bench", help="samplers side by side: accuracy and tokens/s on the "
+                                     "testbed's held-out problems",
+                       description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny-llada",
+                   help="shipped model name or converted folder (default tiny-llada)")
+    p.add_argument("--samplers", default=None,
+                   help="comma-separated sampler specs NAME[:key=value[|alt]...] (default: "
+                        f"{','.join(DEFAULT_SAMPLERS)}, those registered)")
+    p.add_argument("--gen-lengths", type=_int_list, default=None,
+                   help="comma-separated generation lengths (default 128,256,512)")
+    p.add_argument("--n", type=int, default=50, help="held-out problems (default 50)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help='write {"meta", "rows"} here (rewritten after each gen length)')
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="tokens/s and accuracy against gen length (needs matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`asynclane-jax bench ARGS`: returns the exit status (2 on a user error)."""
+    from asynclane_jax.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

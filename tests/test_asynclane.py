@@ -1,0 +1,220 @@
+"""AsyncLane: exactness against Fast-dLLM with the lanes switched off, and the
+invariants of its output and lane tree (ASYNCLANE.md, "What must hold"), on fixed cases
+and as hypothesis properties over random tiny models and random settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference_samplers import make_model, make_prompts
+
+import asynclane_jax
+from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding.lanes import DONE, FREE, TERMINATED
+from asynclane_jax.decoding.schedule import SamplerError
+from asynclane_jax.testbed import evaluate, tasks
+
+# AsyncLane with forking, lookahead and the cascade off, refreshing at every block start.
+AS_FAST_DLLM = dict(max_lanes=1, lookahead=0, extra_queries=0, cascade=False,
+                    refresh_at_advance=True, relaxed_threshold=0.9, horizon=0)
+# Forking at every newline of the shipped models' answers.
+FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8)
+
+
+def check_invariants(res, cfg, *, cascade: bool):
+    """What every AsyncLane result must satisfy, row by row."""
+    stats = res.stats
+    stop = set(cfg.stop_token_ids)
+    G = res.tokens.shape[1]
+    assert not stats.hit_step_cap
+    for r, row in enumerate(res.tokens):
+        assert not np.any(row == cfg.mask_token_id), "a generated position is still masked"
+        assert np.all(stats.commit_step[r] >= 0)
+        stops = [i for i, t in enumerate(row) if int(t) in stop]
+        front = G
+        if cascade and stops:
+            front = stops[0] + 1
+            assert all(int(t) in stop for t in row[front:]), "text after the first end-of-text"
+        kind = stats.lane_kind[r]
+        used = kind != FREE
+        # Slots are taken in order and never reused.
+        assert np.all(used[: used.sum()]) and not np.any(used[used.sum():])
+        assert np.all((kind == DONE) | (kind == TERMINATED) | (kind == FREE)), kind
+        # Parent links: slot 0 is the only root, every other lane's parent is an
+        # earlier slot, so the links form a tree.
+        parent = stats.lane_parent[r]
+        assert parent[0] == -1
+        for m in np.flatnonzero(used)[1:]:
+            assert 0 <= parent[m] < m
+            assert stats.lane_birth[r, m] >= stats.lane_birth[r, parent[m]]
+        # Spans of the lanes that were not terminated tile [0, front) in slot order.
+        kept = np.flatnonzero(used & (kind != TERMINATED))
+        spans = sorted((int(stats.lane_start[r, m]), int(stats.lane_end[r, m])) for m in kept)
+        assert spans[0][0] == 0 and spans[-1][1] == front, (spans, front)
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:])), spans
+        assert [int(stats.lane_start[r, m]) for m in kept] == [s for s, _ in spans]
+        assert np.all(stats.lane_death[r][used] >= stats.lane_birth[r][used])
+        assert stats.forks[r] == used.sum() - 1
+
+
+def test_equals_fast_dllm_dual_cache_on_random_llada(tiny_llada_model):
+    model = tiny_llada_model
+    prompts = make_prompts(model.cfg.vocab_size, lengths=(5, 9, 3))
+    for threshold in (0.9, 0.6):
+        ref = generate(model, prompts, sampler="fast-dllm", gen_length=32, block_length=8,
+                       threshold=threshold, cache="dual")
+        got = generate(model, prompts, sampler="asynclane", gen_length=32, block_length=8,
+                       delimiters="none", **{**AS_FAST_DLLM, "threshold": threshold,
+                                             "relaxed_threshold": threshold})
+        np.testing.assert_array_equal(got.tokens, ref.tokens)
+        # The same calls per row: a full forward per block, cached calls in between.
+        np.testing.assert_array_equal(got.stats.row_nfe_full, ref.stats.row_nfe_full)
+        np.testing.assert_array_equal(got.stats.row_nfe_partial, ref.stats.row_nfe_partial)
+
+
+@pytest.fixture(scope="module")
+def shipped_llada():
+    model, tokenizer, cfg = asynclane_jax.load("tiny-llada")
+    problems = tasks.split("heldout", 6)
+    return model, tokenizer, cfg, problems, evaluate.prompts_for(problems, tokenizer)
+
+
+def test_equals_fast_dllm_dual_cache_on_the_shipped_model(shipped_llada):
+    model, tokenizer, _, _, prompts = shipped_llada
+    ref = generate(model, prompts, sampler="fast-dllm", gen_length=64, cache="dual")
+    got = generate(model, prompts, sampler="asynclane", gen_length=64, tokenizer=tokenizer,
+                   **AS_FAST_DLLM)
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+
+
+def test_lanes_fork_and_cascade_on_the_shipped_model(shipped_llada):
+    model, tokenizer, cfg, problems, prompts = shipped_llada
+    res = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer,
+                   **FORKING)
+    check_invariants(res, cfg, cascade=True)
+    st_ = res.stats
+    assert np.all(st_.forks >= 1), "the answers have several lines: the lanes must fork"
+    assert np.all(st_.peak_lanes >= 2)
+    # Every answer ends well before 96 tokens; the cascade filled the rest.
+    assert all(int(row[64]) in cfg.stop_token_ids for row in res.tokens)
+    # No full forward for each block: one per row (block decoding makes three).
+    assert np.all(st_.refreshes == 1) and np.all(st_.row_nfe_full == 1)
+    # The text is the model's: most answers right.
+    assert sum(evaluate.check(p, row) for p, row in zip(problems, res.tokens)) >= 3
+    # The lane tree comes with the statistics.
+    tree = st_.lane_tree(0)
+    assert tree[0]["parent"] == -1 and len(tree) == st_.forks[0] + 1
+    assert "lane_kind" in st_.to_dict()
+
+
+def test_defaults_on_the_shipped_model(shipped_llada):
+    model, tokenizer, cfg, problems, prompts = shipped_llada
+    res = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer)
+    check_invariants(res, cfg, cascade=True)
+    assert np.all(res.stats.refreshes == 1)
+    assert sum(evaluate.check(p, row) for p, row in zip(problems, res.tokens)) >= 4
+
+
+def test_the_horizon_hides_the_tail_until_the_window_nears_it(shipped_llada):
+    model, tokenizer, cfg, _, prompts = shipped_llada
+    # gen 256 with horizon 96: the first call is a cached call over the prompt and the
+    # first 128 positions; answers end well inside them, so no full forward is made,
+    # and the text is what a 128-position canvas gives.
+    long = generate(model, prompts, sampler="asynclane", gen_length=256, tokenizer=tokenizer)
+    short = generate(model, prompts, sampler="asynclane", gen_length=128,
+                     tokenizer=tokenizer)
+    check_invariants(long, cfg, cascade=True)
+    assert np.all(long.stats.row_nfe_full == 0) and np.all(short.stats.row_nfe_full == 1)
+    np.testing.assert_array_equal(long.tokens[:, :128], short.tokens)
+    # A small horizon (40 positions visible): an answer that runs past the first window
+    # brings the window near it, and one full forward shows the whole canvas.
+    near = generate(model, prompts, sampler="asynclane", gen_length=256, tokenizer=tokenizer,
+                    horizon=8)
+    check_invariants(near, cfg, cascade=True)
+    past = np.asarray(near.stats.generated_tokens) >= 32
+    assert past.any() and not past.all()
+    np.testing.assert_array_equal(near.stats.row_nfe_full, past.astype(int))
+
+
+def test_dream_shipped_model_invariants():
+    model, tokenizer, cfg = asynclane_jax.load("tiny-dream")
+    prompts = evaluate.prompts_for(tasks.split("heldout", 4), tokenizer)
+    res = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer,
+                   **FORKING)
+    check_invariants(res, cfg, cascade=True)
+    assert np.all(res.stats.forks >= 1)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(gen_length=64, refresh_every=3, **FORKING),
+    # A small horizon: rows whose answer runs past the first window take a full
+    # forward at different iterations while the others wait.
+    dict(gen_length=160, horizon=8),
+], ids=["forking", "horizon"])
+def test_batch_rows_equal_single_runs_and_one_compilation(shipped_llada, opts):
+    model, tokenizer, _, _, prompts = shipped_llada
+    opts = dict(sampler="asynclane", tokenizer=tokenizer, bucket=64, **opts)
+    batch = generate(model, prompts[:4], **opts)
+    traces = driver.TRACE_COUNT["decode"]
+    singles = [generate(model, [p], **opts) for p in prompts]
+    # One program for every single-prompt run of this bucket.
+    assert driver.TRACE_COUNT["decode"] == traces + 1
+    assert [s.stats.compiled for s in singles] == [True] + [False] * (len(prompts) - 1)
+    for i in range(4):
+        np.testing.assert_array_equal(batch.tokens[i], singles[i].tokens[0])
+        for f in ("lane_kind", "lane_start", "lane_end", "lane_parent", "lane_birth",
+                  "lane_death", "lane_split", "row_nfe_full", "row_nfe_partial"):
+            np.testing.assert_array_equal(getattr(batch.stats, f)[i],
+                                          getattr(singles[i].stats, f)[0])
+
+
+def test_bad_settings_are_refused(tiny_llada_model):
+    for opts in ({"draft_threshold": 0.0}, {"max_lanes": 0}, {"max_lanes": 4, "extra_queries": 0},
+                 {"cache": "prefix"}, {"delimiters": "a,b"}, {"stable_fraction": 2.0}):
+        with pytest.raises(SamplerError):
+            generate(tiny_llada_model, [[1, 2]], sampler="asynclane", gen_length=8, **opts)
+    with pytest.raises(SamplerError, match="tokenizer"):
+        generate(tiny_llada_model, [[1, 2]], sampler="asynclane", gen_length=8, max_lanes=4)
+    with pytest.raises(SamplerError, match="outside the vocabulary"):
+        generate(tiny_llada_model, [[1, 2]], sampler="asynclane", gen_length=8,
+                 delimiters="100000")
+
+
+# -- properties over random tiny models and random settings -----------------------------
+settings_strategy = st.fixed_dictionaries({
+    "block_length": st.sampled_from([4, 8]),
+    "threshold": st.sampled_from([0.5, 0.9]),
+    "relaxed_threshold": st.sampled_from([0.3, 0.9]),
+    "lookahead": st.sampled_from([0, 3]),
+    "max_lanes": st.sampled_from([1, 3, 6]),
+    "refine_window": st.sampled_from([0, 2, 8]),
+    "stable_fraction": st.sampled_from([0.0, 0.75]),
+    "refine_budget": st.sampled_from([0, 2]),
+    "extra_queries": st.sampled_from([1, 5]),
+    "refresh_every": st.sampled_from([0, 3]),
+    "cascade": st.booleans(),
+    "cache": st.sampled_from(["dual", "none"]),
+})
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(opts=settings_strategy, family=st.sampled_from(["llada", "dream"]),
+       seed=st.integers(0, 2), delimiter_share=st.sampled_from([0.1, 0.4]))
+def test_invariants_hold_for_random_models_and_settings(opts, family, seed, delimiter_share):
+    model = make_model(family, lm_scale=30.0, seed=seed)
+    cfg = model.cfg
+    rng = np.random.default_rng(seed)
+    # A random share of the vocabulary serves as delimiters, so forks are frequent; the
+    # end-of-text token is among the candidates a random model may commit.
+    vocab = np.arange(cfg.vocab_size)
+    vocab = vocab[vocab != cfg.mask_token_id]
+    delims = rng.choice(vocab, max(1, int(delimiter_share * len(vocab))), replace=False)
+    prompts = make_prompts(cfg.vocab_size, lengths=(4, 7), seed=seed)
+    res = generate(model, prompts, sampler="asynclane", gen_length=24,
+                   delimiters=",".join(map(str, sorted(delims))), **opts)
+    check_invariants(res, cfg, cascade=opts["cascade"])
+    if opts["max_lanes"] == 1:
+        assert np.all(res.stats.forks == 0)
