@@ -28,7 +28,8 @@ Row fields (one row per spec and generation length):
   wall_s: seconds of decoding; compile_s: seconds compiling (0 when the program was
     already compiled in this process);
   speedup_vs_fastest_baseline: tps over the highest tps at the same gen_length among
-    rows whose sampler is not `asynclane` (None when there is none);
+    the baselines as published: rows whose sampler is not `asynclane` and that do not
+    stop early (None when there is none);
   speedup_vs_fastest_early_stop: tps over the highest tps at the same gen_length among
     rows run with early_stop true (None when there is none).
 """
@@ -188,8 +189,9 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     gen_length (see the module docstring); returns rows."""
     for g in {r["gen_length"] for r in rows}:
         same = [r for r in rows if r["gen_length"] == g]
-        base = [r["tps"] for r in same if parse_spec(r["sampler"])[0] != NEW_SAMPLER]
         early = [r["tps"] for r in same if r["options"].get("early_stop") is True]
+        base = [r["tps"] for r in same if parse_spec(r["sampler"])[0] != NEW_SAMPLER
+                and r["options"].get("early_stop") is not True]
         best_base = max(base, default=0.0)
         best_early = max(early, default=0.0)
         for r in same:
@@ -347,9 +349,9 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
              f"{meta.get('date')}. Tokens/s: tokens before the first end-of-text per second "
              "of decoding, compilation excluded; samplers interleaved batch by batch. A "
              "spec with alternatives (`a|b`) reports its fastest; `chosen options` names "
-             "it. vs baseline: tokens/s over the fastest row at the same length whose "
-             "sampler is not asynclane; vs early-stop: over the fastest row run with "
-             "early_stop=true.", "",
+             "it. vs baseline: tokens/s over the fastest baseline as published (not "
+             "asynclane, no early stop) at the same length; vs early-stop: over the "
+             "fastest row run with early_stop=true.", "",
              "| " + " | ".join(TABLE_HEAD) + " |",
              "|" + "---|" * len(TABLE_HEAD)]
     for cells in table_rows(rows):

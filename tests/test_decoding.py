@@ -197,3 +197,24 @@ def test_batch_buckets_share_one_program_and_pad_rows_cost_no_steps():
     np.testing.assert_array_equal(three.tokens, four.tokens[:3])
     assert three.stats.iterations <= four.stats.iterations
     assert three.stats.to_dict()["row_steps"] == four.stats.row_steps[:3].tolist()
+
+
+def test_key_len_reads_only_the_leading_columns(tiny_llada_model):
+    """A cached call with key_len=K equals the same call with the keys from K on masked
+    out, and writes the same K/V."""
+    model = tiny_llada_model
+    b, T, K = 2, 24, 14
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size - 2, (b, T)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T), (b, T))
+    _, cache = model(tokens, return_kv=True)
+    q_cols = jnp.asarray([[3, 9, 13, T], [0, 5, 12, 13]], jnp.int32)  # T: an unused slot
+    read = jnp.minimum(q_cols, T - 1)
+    tq, pq = jnp.take_along_axis(tokens, read, 1), jnp.take_along_axis(pos, read, 1)
+    masked = jnp.broadcast_to(jnp.arange(T) < K, (b, T))
+    want, want_cache = model.forward(tq, pq, key_mask=masked, cache=cache, write_index=q_cols)
+    got, got_cache = model.forward(tq, pq, key_mask=jnp.ones((b, T), bool), cache=cache,
+                                   write_index=q_cols, key_len=K)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got_cache.k, want_cache.k, atol=1e-6)
+    np.testing.assert_allclose(got_cache.v, want_cache.v, atol=1e-6)

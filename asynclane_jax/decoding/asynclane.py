@@ -16,7 +16,9 @@ but a cached call over the prompt and the first block_length + horizon generated
 positions, which attend only to each other; the rest of the canvas stays out of
 attention (its K/V are never computed) until the window comes within horizon/2 of the
 visible end, when one full forward makes the whole canvas visible. An answer that ends
-inside the horizon costs no call over the tail at all, whatever gen_length is.
+inside the horizon costs no computation over the tail at all, whatever gen_length is:
+while a row's view is within the first block_length + horizon positions, its cached
+calls read and attend only that part of the cache (`Schedule.key_bound`).
 
 One iteration (per row):
   1. Query set (shared-prefix lane batching). One cached call queries, against the K/V
@@ -289,16 +291,23 @@ class AsyncLaneSchedule(Schedule):
         return live & (j >= st.start[:, None, :]) & (j < st.end[:, None, :])
 
     # -- the schedule -----------------------------------------------------------------
+    def key_bound(self, ctx: Context) -> int | None:
+        V = self._first_visible(ctx.gen_length)
+        return None if V == ctx.gen_length else ctx.prompt_len + V
+
     def first_plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan | None:
         V = self._first_visible(ctx.gen_length)
         if V == ctx.gen_length:
             return None  # the loop's first call is a full forward
         # A cached call over [0, P + V): the prompt and the first V generated positions
-        # are encoded, and attend only to each other.
+        # are encoded, and attend only to each other. Logits are computed only for the
+        # queries a regular plan would read (query index = column here).
         cols = jnp.arange(ctx.prompt_len + V, dtype=jnp.int32)
+        read = self.plan(ctx, canvas, st, live).positions
         return Plan(positions=jnp.broadcast_to(cols, (ctx.batch, cols.size)),
                     full=jnp.asarray(False), serve=live,
-                    visible=jnp.full((ctx.batch,), ctx.prompt_len + V, jnp.int32))
+                    visible=jnp.full((ctx.batch,), ctx.prompt_len + V, jnp.int32),
+                    logits_at=jnp.where(read < cols.size, read, cols.size))
 
     def plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan:
         P, G, T, s = ctx.prompt_len, ctx.gen_length, ctx.length, ctx.shift

@@ -113,9 +113,17 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
             return key_mask
         return key_mask & (cols < plan.visible[:, None])
 
+    def read_columns(plan: Plan):
+        """[b, n] canvas columns whose outputs the schedule reads (T: none)."""
+        if plan.logits_at is None:
+            return plan.positions
+        Q = plan.positions.shape[1]
+        cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
+        return jnp.where(plan.logits_at < Q, cols_at, T)
+
     def full_call(st: DecodeState, plan: Plan, serve):
         # Logits are read at the planned columns; every column is (re-)encoded.
-        read = jnp.minimum(plan.positions, T - 1)
+        read = jnp.minimum(read_columns(plan), T - 1)
         keys = keys_of(plan)
         if cfg_scale > 0:
             # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
@@ -134,14 +142,28 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
                                   tokens_processed=st.tokens_processed + n_live * T,
                                   row_full=st.row_full + serve)
 
+    bound = schedule.key_bound(ctx)
+
     def cached_call(st: DecodeState, plan: Plan, serve):
         valid = plan.positions < T
         read = jnp.minimum(plan.positions, T - 1)
         tokens_q = jnp.take_along_axis(st.canvas, read, axis=1)
         pos_q = jnp.take_along_axis(positions, read, axis=1)
         write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
-        logits, cache = model.forward(tokens_q, pos_q, key_mask=keys_of(plan), cache=st.cache,
-                                      write_index=write)
+
+        logits_at = (None if plan.logits_at is None else
+                     jnp.minimum(plan.logits_at, plan.positions.shape[1] - 1))
+
+        def call(key_len):
+            return lambda cache: model.forward(tokens_q, pos_q, key_mask=keys_of(plan),
+                                               cache=cache, write_index=write,
+                                               logits_index=logits_at, key_len=key_len)
+
+        if bound is None or bound >= T or plan.visible is None:
+            logits, cache = call(None)(st.cache)
+        else:  # attend only to the leading columns while every row's view is within them
+            small = jnp.max(jnp.where(serve, plan.visible, 0)) <= bound
+            logits, cache = jax.lax.cond(small, call(bound), call(None), st.cache)
         n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
         return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
                                   tokens_processed=st.tokens_processed + n,
@@ -154,7 +176,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
         else:
             logits, st = full_call(st, plan, serve)
         # The output at column q predicts column q + shift (Dream), in every call.
-        targets = jnp.where(plan.positions < T, plan.positions + ctx.shift, T)
+        cols = read_columns(plan)
+        targets = jnp.where(cols < T, cols + ctx.shift, T)
         out = CallOutput(logits=logits, targets=targets, serve=serve,
                          full=jnp.asarray(plan.full))
         key = jax.random.fold_in(st.rng, st.step)

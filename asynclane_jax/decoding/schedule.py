@@ -56,14 +56,19 @@ class Plan:
     # (None: the whole canvas). A schedule that hides a region never queried yet keeps
     # the cache's unwritten columns out of attention.
     visible: jax.Array | None = None
+    # [b, n] int32 or None: the queries (indices into `positions`) whose logits the
+    # schedule reads; n >= Q marks an unused slot. None: every query's. A call with many
+    # queries (e.g. a first call that encodes a long prefix) computes its output head
+    # only where it is read.
+    logits_at: jax.Array | None = None
 
 
 @struct.dataclass
 class CallOutput:
     """What the model call gives the schedule's update."""
 
-    logits: jax.Array  # [b, Q, V] float32; row i predicts column targets[:, i]
-    targets: jax.Array  # [b, Q] int32 column predicted by each query (T: none)
+    logits: jax.Array  # [b, n, V] float32; row i predicts column targets[:, i]
+    targets: jax.Array  # [b, n] int32 column predicted by each row (T: none)
     serve: jax.Array  # [b] bool, the plan's rows (finished rows removed)
     full: jax.Array  # [] bool, the plan's call kind
 
@@ -174,6 +179,14 @@ class Schedule:
           Plan.
         """
         raise NotImplementedError
+
+    def key_bound(self, ctx: Context) -> int | None:
+        """A static column count: when every row of a cached call has `Plan.visible` at
+        most this, the call reads and attends only the cache's first columns up to it
+        (the attention over the hidden suffix is not computed at all). None: always the
+        whole canvas."""
+        del ctx
+        return None
 
     def first_plan(self, ctx: Context, canvas, state, live) -> Plan | None:
         """An optional first call, made once before the loop, whose query count may

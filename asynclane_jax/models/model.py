@@ -182,14 +182,18 @@ class Block(nnx.Module):
                                         k_block=k_block, implementation=implementation))
         return h + self.mlp(self.mlp_norm(h))
 
-    def step(self, index, x, positions, cache, rows, write_index, **attention_kw):
+    def step(self, index, x, positions, cache, rows, write_index, key_len=None,
+             **attention_kw):
         """One layer of `DiffusionLM.forward`: with a cache, the queries' fresh K/V are
-        written into layer `index` of it and the queries attend to the whole layer.
+        written into layer `index` of it and the queries attend to the whole layer (or
+        to its first key_len columns).
 
         Args:
           index: the layer's index in the cache (a Python int, or traced in a scan).
           x: [b, Q, d]; positions: [b, Q].
           cache: KVCache or None; rows: arange(b)[:, None]; write_index: [b, Q].
+          key_len: a static column count: attend only to the cache's first key_len
+            columns (None: all).
           **attention_kw: key_mask, q_block, k_block, implementation (see `attention`).
         Returns:
           (x [b, Q, d], the updated cache or None).
@@ -198,6 +202,8 @@ class Block(nnx.Module):
         if cache is not None:
             cache = cache.write(index, rows, write_index, k, v)
             k, v = cache.k[index], cache.v[index]
+            if key_len is not None:
+                k, v = k[:, :key_len], v[:, :key_len]
         return self(x, q, k, v, **attention_kw), cache
 
 
@@ -245,7 +251,7 @@ class DiffusionLM(nnx.Module):
         return self.lm_head(x)
 
     def forward(self, tokens, positions, *, key_mask=None, cache: KVCache | None = None,
-                write_index=None, logits_index=None, block_ids=None):
+                write_index=None, logits_index=None, block_ids=None, key_len=None):
         """The one forward pass; full and cached calls are this function.
 
         Without a cache the Q = T tokens are the whole canvas and attend to each other.
@@ -269,14 +275,22 @@ class DiffusionLM(nnx.Module):
           block_ids: [b, T] int block id of every canvas column for block-causal
             attention (a query sees keys of its own and earlier blocks); None for
             bidirectional attention.
+          key_len: with a cache, a static number of leading canvas columns the queries
+            attend to (the rest is neither read nor attended: a schedule that keeps a
+            canvas suffix out of attention saves its cost); None: all T.
         Returns:
           (logits [b, Q or n, V] float32, the updated cache or None).
         """
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
         q_block, k_block = query_block_ids(block_ids, cache, write_index)
+        if key_len is not None and cache is not None:
+            key_mask = None if key_mask is None else key_mask[:, :key_len]
+            k_block = None if k_block is None else k_block[:, :key_len]
+        else:
+            key_len = None
         rows = jnp.arange(tokens.shape[0])[:, None]
         for i, layer in enumerate(self.layers):
-            x, cache = layer.step(i, x, positions, cache, rows, write_index,
+            x, cache = layer.step(i, x, positions, cache, rows, write_index, key_len,
                                   key_mask=key_mask, q_block=q_block, k_block=k_block,
                                   implementation=self.attention_implementation)
         if logits_index is not None:
