@@ -26,12 +26,13 @@ One iteration (per row):
      and `extra_queries` (E) positions picked by priority: first the refine lanes'
      masked positions, earliest first, then *dirty* positions (committed since their
      cached K/V was computed: re-encoding them is the compact cache refresh).
-  2. Full refresh. A full forward serves a row when its window nears the horizon, every
-     `refresh_every`-th call when that is set, and, with `refresh_at_advance`, after
-     the window moves to a new block (Fast-dLLM's dual cache); with horizon 0 the
-     row's first call is one too. Its logits decode that step. Rows that need no
-     refresh wait for one iteration while a full forward serves the rows that do (so
-     each row decodes exactly as it would alone).
+  2. Full refresh. A full forward serves a row when its window nears the horizon (it
+     then shows the whole canvas), every `refresh_every`-th call when that is set, and,
+     with `refresh_at_advance` (the default), after the window moves to a new block, as
+     Fast-dLLM's dual cache does; under the horizon these re-encode only the visible
+     part. With horizon 0 the row's first call is one too. Its logits decode that
+     step. Rows that need no refresh wait for one iteration while a full forward serves
+     the rows that do (so each row decodes exactly as it would alone).
   3. Commit. Window: every masked position with confidence >= threshold; within
      `radius` of such an anchor, >= relaxed_threshold (LocalLeap's rule); lookahead
      draft reuse: a position whose prediction equals the draft made for it while it
@@ -47,11 +48,12 @@ One iteration (per row):
      A refine lane with no masks left is done. A row is finished when no generated
      position is masked.
 
-Defaults are the settings measured fastest at equal or better accuracy on the shipped
+Defaults are the settings measured fastest at the baselines' accuracy on the shipped
 models (experiments/results/asynclane.md): one lane (max_lanes=1: on the testbed's
 chained arithmetic every line needs the previous line's result, and forking cost calls
-and accuracy), no lookahead, the visible horizon, the cascade and compact refresh. Set
-max_lanes (e.g. 16) to fork at delimiters.
+and accuracy), no lookahead, the visible horizon, the cascade, compact refresh, and a
+refresh of the visible part when the window moves to a new block (without it tiny-dream
+lost 4 points). Set max_lanes (e.g. 16) to fork at delimiters.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
@@ -97,6 +99,7 @@ class LaneState:
     draft: jax.Array  # [b, G] int32 lookahead prediction, -1 none
     eos: jax.Array  # [b] first committed end-of-text (generated index), G if none
     visible: jax.Array  # [b] generated positions [0, visible) are attended (the horizon)
+    extend: jax.Array  # [b] bool: the window nears the horizon; the next (full) call shows all
     need_full: jax.Array  # [b] bool: the row's next call must be a full forward
     since_full: jax.Array  # [b] calls serving the row since its last full forward
     steps: jax.Array  # [b] iterations that served the row
@@ -143,10 +146,13 @@ class AsyncLaneSchedule(Schedule):
         canvas, always). The first call is a cached call over the prompt and the first
         block_length + horizon positions only, with the rest of the canvas out of
         attention; when the window comes within horizon/2 of the visible end, a full
-        forward makes the whole canvas visible from then on.
+        forward makes the whole canvas visible from then on. Other full forwards
+        (refresh_every, refresh_at_advance) keep the horizon and re-encode only the
+        visible part.
       refresh_every: a full forward every this many calls of a row (0: none).
       refresh_at_advance: a full forward whenever the window moves to a new block
-        (Fast-dLLM's dual-cache schedule).
+        (Fast-dLLM's dual-cache schedule); under the horizon it re-encodes only the
+        visible part.
       cascade: cascading termination at the first committed end-of-text.
       cache: dual (cached calls between full forwards) or none (every call a full
         forward).
@@ -169,7 +175,7 @@ class AsyncLaneSchedule(Schedule):
     extra_queries: int = 4
     horizon: int = 96
     refresh_every: int = 0
-    refresh_at_advance: bool = False
+    refresh_at_advance: bool = True
     cascade: bool = True
     cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -258,6 +264,7 @@ class AsyncLaneSchedule(Schedule):
             draft=jnp.full((b, G), -1, jnp.int32),
             eos=jnp.full((b,), G, jnp.int32),
             visible=jnp.full((b,), self._first_visible(G), jnp.int32),
+            extend=jnp.zeros((b,), bool),
             need_full=jnp.full((b,), self._first_visible(G) == G),
             since_full=zeros, steps=zeros, forks=zeros,
             peak=jnp.ones((b,), jnp.int32), refreshes=zeros, cuts=zeros)
@@ -317,9 +324,11 @@ class AsyncLaneSchedule(Schedule):
         masked = gen == ctx.mask_id
         j = jnp.arange(G)[None, :]
 
+        seen = jnp.minimum(frontier, st.visible[:, None])  # nothing hidden is queried
+
         def targets(first, n):  # generated targets first .. first + n - 1, as query columns
             t = first[:, None] + jnp.arange(n)[None, :]
-            return jnp.where(t < frontier, P + t - s, T)
+            return jnp.where(t < seen, P + t - s, T)
 
         parts = [targets(st.win, B)]
         if W:
@@ -339,8 +348,8 @@ class AsyncLaneSchedule(Schedule):
         need = live & st.need_full
         full = jnp.any(need)
         visible = None
-        if self._first_visible(G) < G:
-            visible = jnp.where(full, T, P + st.visible).astype(jnp.int32)
+        if self._first_visible(G) < G:  # a row nearing its horizon is shown everything
+            visible = jnp.where(st.extend, T, P + st.visible).astype(jnp.int32)
         return Plan(positions=positions, full=full, serve=jnp.where(full, need, live),
                     visible=visible)
 
@@ -492,9 +501,12 @@ class AsyncLaneSchedule(Schedule):
             need = need | (since >= self.refresh_every)
         if self.refresh_at_advance:
             need = need | (advance & ~gen_done)
-        visible = jnp.where(out.serve & out.full, G, st.visible)
+        shown = out.serve & out.full & st.extend
+        visible = jnp.where(shown, G, st.visible)
+        extend = st.extend & ~shown
         if self._first_visible(G) < G:  # the window nears the horizon: show everything
             near = (win + B + self.horizon // 2 > visible) & (visible < G) & ~gen_done
+            extend = jnp.where(out.serve, extend | near, extend)
             need = need | near
         canvas = canvas.at[:, P:].set(new)
         return canvas, st.replace(
@@ -502,7 +514,7 @@ class AsyncLaneSchedule(Schedule):
             start=start.astype(jnp.int32), end=end.astype(jnp.int32),
             parent=parent.astype(jnp.int32), birth=birth.astype(jnp.int32),
             death=death.astype(jnp.int32), split=split.astype(jnp.int32), fresh=fresh,
-            visible=visible.astype(jnp.int32), eos=eos.astype(jnp.int32),
+            visible=visible.astype(jnp.int32), extend=extend, eos=eos.astype(jnp.int32),
             need_full=jnp.where(out.serve, need, st.need_full),
             since_full=since.astype(jnp.int32), steps=st.steps + out.serve,
             forks=forks.astype(jnp.int32), peak=jnp.maximum(st.peak, active).astype(jnp.int32),

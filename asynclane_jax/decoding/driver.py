@@ -121,9 +121,28 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
         cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
         return jnp.where(plan.logits_at < Q, cols_at, T)
 
+    bound = schedule.key_bound(ctx)
+    if bound is not None and bound >= T:
+        bound = None
+
+    def bounded(plan: Plan, serve):
+        """Whether every served row's view lies within the schedule's key bound."""
+        if bound is None or plan.visible is None:
+            return None
+        return jnp.max(jnp.where(serve, plan.visible, 0)) <= bound
+
     def full_call(st: DecodeState, plan: Plan, serve):
-        # Logits are read at the planned columns; every column is (re-)encoded.
-        read = jnp.minimum(read_columns(plan), T - 1)
+        # Every column is (re-)encoded, or only the leading `bound` columns while every
+        # served row's view lies within them; logits are read at the planned columns.
+        small = bounded(plan, serve) if use_cache else None
+        if small is None:
+            return full_over(T, st, plan, serve)
+        return jax.lax.cond(small, functools.partial(full_over, bound),
+                            functools.partial(full_over, T), st, plan, serve)
+
+    def full_over(n: int, st: DecodeState, plan: Plan, serve):
+        """A full forward over the first n canvas columns (n = T: the whole canvas)."""
+        read = jnp.minimum(read_columns(plan), n - 1)
         keys = keys_of(plan)
         if cfg_scale > 0:
             # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
@@ -134,15 +153,15 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
                                     logits_index=two(read))
             cond, unc = jnp.split(both, 2, axis=0)
             return unc + (cfg_scale + 1.0) * (cond - unc), st
-        write = jnp.where(serve[:, None], cols, T)  # only served rows' cache is replaced
-        logits, cache = model.forward(st.canvas, positions, key_mask=keys, cache=st.cache,
+        write = jnp.where(serve[:, None], cols[:, :n], T)  # only served rows' cache changes
+        logits, cache = model.forward(st.canvas[:, :n], positions[:, :n], key_mask=keys,
+                                      cache=st.cache,
                                       write_index=write if use_cache else None,
-                                      logits_index=read)
+                                      logits_index=read,
+                                      key_len=n if use_cache and n < T else None)
         return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
-                                  tokens_processed=st.tokens_processed + n_live * T,
+                                  tokens_processed=st.tokens_processed + n_live * n,
                                   row_full=st.row_full + serve)
-
-    bound = schedule.key_bound(ctx)
 
     def cached_call(st: DecodeState, plan: Plan, serve):
         valid = plan.positions < T
@@ -159,10 +178,10 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
                                                cache=cache, write_index=write,
                                                logits_index=logits_at, key_len=key_len)
 
-        if bound is None or bound >= T or plan.visible is None:
+        small = bounded(plan, serve)
+        if small is None:
             logits, cache = call(None)(st.cache)
         else:  # attend only to the leading columns while every row's view is within them
-            small = jnp.max(jnp.where(serve, plan.visible, 0)) <= bound
             logits, cache = jax.lax.cond(small, call(bound), call(None), st.cache)
         n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
         return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
