@@ -5,7 +5,7 @@ positions, the iteration at which each was committed, with the blocks (block sam
 or lanes (AsyncLane) outlined. Written to experiments/results/decode_order_<sampler>.png.
 
 Usage: python experiments/decode_order.py [--model tiny-llada] [--gen-length 128]
-       [--problem 1]
+       [--problem 0]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny-llada")
     ap.add_argument("--gen-length", type=int, default=128)
-    ap.add_argument("--problem", type=int, default=1, help="index in the held-out split")
+    ap.add_argument("--problem", type=int, default=0, help="index in the held-out split")
     args = ap.parse_args()
     model, tokenizer, cfg = asynclane_jax.load(args.model)
     problem = tasks.split("heldout", args.problem + 1)[args.problem]
@@ -43,7 +43,7 @@ def main():
         path = RESULTS / f"decode_order_{label}.png"
         ok = evaluate.check(problem, res.tokens[0])
         save_decode_order(res, path, tokenizer=tokenizer, stop_ids=cfg.stop_token_ids,
-                          title=f"{label} {opts or ''} on {args.model}, gen_length "
+                          title=f"{label}{f' {opts}' if opts else ''} on {args.model}, gen_length "
                                 f"{args.gen_length}: {'right' if ok else 'wrong'} answer")
         print(f"{label}: {res.stats.steps} iterations, "
               f"{int(res.stats.row_nfe_full[0] + res.stats.row_nfe_partial[0])} calls, "
