@@ -281,8 +281,8 @@ class AsyncLaneSchedule(Schedule):
         return jnp.minimum(st.eos + 1, G) if self.cascade else jnp.full_like(st.eos, G)
 
     def _windows(self, st: LaneState, shift: int, G: int):
-        """Generated indices [b, n] of the window and lookahead targets, and the [b, G]
-        masks of the columns their queries encode."""
+        """[b, G] masks of the generated columns that the window's and the lookahead's
+        queries encode (a target c is queried at c - shift)."""
         B, W = self.block_length, self.lookahead
         j = jnp.arange(G)[None, :]
         win_lo, la_hi = st.win[:, None], st.win[:, None] + B + W
