@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from asynclane_jax.decoding import ops
 from asynclane_jax.decoding.block import greedy_confidence, never_the_mask
 from asynclane_jax.decoding.fast_dllm import check_threshold
 from asynclane_jax.decoding.lanes import DONE, FREE, GENERATE, REFINE, TERMINATED, LaneStats
@@ -387,9 +388,7 @@ class AsyncLaneSchedule(Schedule):
         top1 = cand & (j == jnp.argmax(c, axis=-1)[:, None]) & ~refining
         ok = pconf >= self.threshold
         if self.relaxed_threshold < self.threshold:  # LocalLeap's anchors
-            anchor = cand & ok
-            near = jnp.abs(j[:, :, None] - j[:, None, :]) <= self.radius  # [1, G, G]
-            by_anchor = jnp.any(anchor[:, None, :] & near, axis=-1)
+            by_anchor = ops.near_anchor(cand & ok, self.radius)
             ok = ok | (by_anchor & (pconf >= self.relaxed_threshold))
         if self.lookahead:
             ok = ok | ((st.draft == pred) & (pconf >= min(self.draft_threshold, self.threshold)))
@@ -415,9 +414,10 @@ class AsyncLaneSchedule(Schedule):
         eos = jnp.minimum(st.eos, jnp.min(jnp.where(is_stop, j, G), axis=-1))
         kind, start, end, death = st.kind, st.start, st.end, st.death
         cuts = st.cuts
+        frontier = self._frontier(st.replace(eos=eos), G)[:, None]
         if self.cascade:
             new = jnp.where(j > eos[:, None], ctx.eos_id, new)
-            front = jnp.minimum(eos + 1, G)[:, None]
+            front = frontier
             placed = (kind != FREE) & (kind != TERMINATED)
             gone = placed & (start >= front)
             cut = placed & ~gone & (end > front)
@@ -425,7 +425,6 @@ class AsyncLaneSchedule(Schedule):
             death = jnp.where(gone & (death < 0), t, death)
             kind = jnp.where(gone, TERMINATED, kind)
             end = jnp.where(cut, front, end)
-        frontier = jnp.minimum(eos + 1, G)[:, None] if self.cascade else frontier
 
         # The cache: served columns encoded by this call are fresh, changed ones are not.
         enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)

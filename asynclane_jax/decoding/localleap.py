@@ -52,9 +52,6 @@ class LocalLeapSchedule(BlockSchedule):
         conf = jnp.where(masked, conf, ops.NEG_INF)
         first = (ops.rank_of(conf) == 0) & masked
         anchor = masked & (conf >= self.threshold)  # [b, B]
-        n = conf.shape[-1]
-        idx = jnp.arange(n)
-        near = jnp.abs(idx[:, None] - idx[None, :]) <= self.radius  # [B, B]
-        in_hood = jnp.any(anchor[:, None, :] & near[None, :, :], axis=-1)  # [b, B]
+        in_hood = ops.near_anchor(anchor, self.radius)  # [b, B]
         commit = first | anchor | (masked & in_hood & (conf >= self.relaxed_threshold))
         return commit, x0, pstate

@@ -29,6 +29,14 @@ def rank_of(conf):
     return jnp.argsort(order, axis=-1, stable=True)
 
 
+def near_anchor(anchor, radius: int):
+    """[b, n] bool: positions within `radius` of any True position of anchor [b, n]
+    (LocalLeap's neighbourhood)."""
+    idx = jnp.arange(anchor.shape[-1])
+    near = jnp.abs(idx[:, None] - idx[None, :]) <= radius  # [n, n]
+    return jnp.any(anchor[:, None, :] & near[None, :, :], axis=-1)
+
+
 def gumbel_argmax(logits, temperature, key):
     """LLaDA's Gumbel-max sampling, argmax(exp(l) / (-log u)^T), computed in log space.
 
