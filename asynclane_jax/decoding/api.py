@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from asynclane_jax import sharding
 from asynclane_jax.decoding import driver
 from asynclane_jax.decoding.schedule import SamplerError, Schedule, get_schedule_class
 from asynclane_jax.decoding.stats import DecodeStats
@@ -52,6 +53,13 @@ def make_schedule(sampler: str, *, gen_length: int, **options) -> Schedule:
     options = {k: v for k, v in options.items() if v is not None}
     return cls.from_options(gen_length=gen_length, **options)
 
+
+
+def sharding_plan(model, mesh) -> sharding.ShardingPlan | None:
+    """The plan `generate` decodes with: the given mesh (a Mesh or a spec string), else
+    the mesh the parameters are on, else None (one device, no constraints)."""
+    mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(model)
+    return None if mesh is None else sharding.plan_for(model.cfg, mesh)
 
 
 def bucket_length(n: int, bucket: int) -> int:
@@ -103,7 +111,7 @@ def _cut_at_stop(ids: np.ndarray, stop_ids) -> list[int]:
 
 def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_length: int = 128,
              tokenizer=None, rng=None, seed: int = 0, bucket: int = DEFAULT_BUCKET,
-             pad_batch: bool = True, **sampler_options) -> GenerationResult:
+             pad_batch: bool = True, mesh=None, **sampler_options) -> GenerationResult:
     """Generates continuations of a batch of prompts with one compiled decode loop.
 
     The compiled program is kept, keyed by (model structure, sampler settings, shapes):
@@ -121,6 +129,11 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
       seed: used when rng is None.
       bucket: prompt lengths are padded up to a multiple of this.
       pad_batch: pad the number of rows up to `batch_bucket(n)`.
+      mesh: decode sharded over a mesh: a jax.sharding.Mesh, a spec such as
+        "data=2,tensor=4", or a preset name (see asynclane_jax.sharding). Default: the
+        mesh the model's parameters were loaded onto (`load(..., mesh=...)`), if any.
+        Parameters not yet on the mesh are placed on it (a copy); rows are padded to a
+        multiple of the mesh's batch axes.
       **sampler_options: the sampler's options, e.g. block_length, steps, threshold,
         cache, cfg_scale.
     Returns:
@@ -143,7 +156,10 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
     schedule = schedule.bind(tokenizer, cfg)
     canvas, pad_len, P = build_canvas(prompts, gen_length, cfg, bucket)
     n = len(prompts)
+    plan = sharding_plan(model, mesh)
     rows = batch_bucket(n) if pad_batch else n
+    if plan is not None:  # every device of the batch axes gets the same number of rows
+        rows = -(-rows // plan.batch_multiple) * plan.batch_multiple
     live = np.arange(rows) < n
     if rows > n:  # padding rows copy row 0 and start finished
         canvas = np.concatenate([canvas, np.repeat(canvas[:1], rows - n, axis=0)])
@@ -151,8 +167,17 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
     if rng is None:
         rng = jax.random.key(seed)
     graphdef, params = nnx.split(model)
-    args = (params, jnp.asarray(canvas), jnp.asarray(pad_len), jnp.asarray(live), rng)
-    exe, compiled = driver.compiled_decode(graphdef, *args, schedule=schedule)
+    if plan is None:
+        args = (params, jnp.asarray(canvas), jnp.asarray(pad_len), jnp.asarray(live), rng)
+    else:
+        shardings = plan.param_shardings(params)
+        if any(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding != s, params, shardings))):
+            params = jax.device_put(params, shardings)
+        args = (params, sharding.place(canvas, plan, sharding.TOKENS),
+                sharding.place(pad_len, plan, sharding.ROWS),
+                sharding.place(live, plan, sharding.ROWS),
+                jax.device_put(rng, plan.replicated()))
+    exe, compiled = driver.compiled_decode(graphdef, *args, schedule=schedule, plan=plan)
     t0 = time.perf_counter()
     state = jax.block_until_ready(exe.fn(*args))
     decode_time = time.perf_counter() - t0

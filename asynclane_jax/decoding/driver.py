@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from asynclane_jax import sharding
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
 from asynclane_jax.models.model import KVCache
 
@@ -259,19 +260,31 @@ def _abstract_key(tree) -> tuple:
                        for x in leaves))
 
 
+def lower_decode(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedule,
+                 plan: sharding.ShardingPlan | None = None):
+    """The decode lowered for these arguments (arrays or ShapeDtypeStructs, placed on
+    the plan's mesh when there is one), with the plan's constraints on the activations
+    and the cache. `.compile()` it for the arguments' backend."""
+    jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule))
+    with sharding.use(plan):
+        return jitted.lower(params, canvas, pad_len, live, rng)
+
+
 def compiled_decode(graphdef, params, canvas, pad_len, live, rng, *,
-                    schedule: Schedule) -> tuple[Executable, bool]:
-    """The compiled program for these shapes, compiling it on first use.
+                    schedule: Schedule, plan: sharding.ShardingPlan | None = None
+                    ) -> tuple[Executable, bool]:
+    """The compiled program for these shapes (and sharding plan), compiling it on first
+    use.
 
     Returns:
       (Executable, whether this call compiled it).
     """
-    key = (graphdef, schedule, _abstract_key((params, canvas, pad_len, live, rng)))
+    key = (graphdef, schedule, plan, _abstract_key((params, canvas, pad_len, live, rng)))
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], False
     t0 = time.perf_counter()
-    jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule))
-    fn = jitted.lower(params, canvas, pad_len, live, rng).compile()
+    fn = lower_decode(graphdef, params, canvas, pad_len, live, rng, schedule=schedule,
+                      plan=plan).compile()
     exe = Executable(fn=fn, compile_time=time.perf_counter() - t0)
     _EXECUTABLES[key] = exe
     return exe, True

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from asynclane_jax import sharding
 from asynclane_jax.models.config import ModelConfig
 
 
@@ -218,7 +219,10 @@ class KVCache:
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None):
         shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
         dt = dtype or cfg.jnp_dtype
-        return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+        # Placed by the active sharding plan (rows on the batch axes, K/V heads on the
+        # tensor axis when they divide by it); the in-place writes keep that placement.
+        zeros = lambda: sharding.constrain(jnp.zeros(shape, dt), sharding.CACHE)
+        return cls(zeros(), zeros())
 
     def write(self, layer: int, rows, index, k, v) -> KVCache:
         """Scatters fresh K/V [b, Q, K, h] of one layer at canvas columns index [b, Q]
@@ -282,6 +286,7 @@ class DiffusionLM(nnx.Module):
           (logits [b, Q or n, V] float32, the updated cache or None).
         """
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
+        x = sharding.constrain(x, sharding.ACTIVATION)
         q_block, k_block = query_block_ids(block_ids, cache, write_index)
         if key_len is not None and cache is not None:
             key_mask = None if key_mask is None else key_mask[:, :key_len]
@@ -293,6 +298,7 @@ class DiffusionLM(nnx.Module):
             x, cache = layer.step(i, x, positions, cache, rows, write_index, key_len,
                                   key_mask=key_mask, q_block=q_block, k_block=k_block,
                                   implementation=self.attention_implementation)
+            x = sharding.constrain(x, sharding.ACTIVATION)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         return self._logits(x).astype(jnp.float32), cache

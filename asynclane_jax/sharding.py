@@ -1,0 +1,297 @@
+"""Sharding by name: one rules table from logical axis names to mesh axes.
+
+Every parameter carries logical axis names (`models/model.py`: vocab, embed, heads,
+kv_heads, mlp); the activations at the layer boundaries, the K/V cache and the decode's
+per-row arrays are named here. `RULES` maps each name to axes of a mesh with three
+axes:
+
+  data    rows of the batch (replicated weights);
+  fsdp    rows of the batch, and the weights' `embed` dimension (gathered per layer);
+  tensor  attention heads, the MLP's hidden units and the vocabulary (Megatron-style:
+          one all-reduce after attention and one after the MLP per layer).
+
+The table is adapted to a model and a mesh by `rules_for`:
+  * attention heads are only ever split whole. When the query heads do not divide by the
+    tensor axis (Dream-7B's 28 on 8 chips), attention is replicated across it and only
+    the MLP and the vocabulary are split; when the query heads divide but the key/value
+    heads do not, the queries are split and K/V replicated. Splitting inside a head
+    (what a plain name-to-axis table does to a fused [d, heads * head_dim] kernel) costs
+    hundreds of all-to-alls per decode step; measured in
+    experiments/results/memory-8b.md;
+  * any other dimension the mesh axes do not divide (a 159-token vocabulary on 8 chips)
+    is replicated rather than refused.
+
+`ShardingPlan` binds a mesh and rules; `use(plan)` makes it the plan that
+`constrain` applies while a decode is traced (no plan: `constrain` does nothing, and a
+single device runs exactly as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis name -> mesh axes (a name, a tuple of names, or None: replicated).
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("length", None),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+# Logical names of the arrays the library shards besides the parameters.
+ACTIVATION = ("batch", "length", None)  # [b, Q, d] between layers
+CACHE = ("layers", "batch", "length", "kv_heads", "head_dim")  # K/V [L, b, T, K, h]
+TOKENS = ("batch", "length")  # canvas [b, T]
+ROWS = ("batch",)  # per-row vectors [b]
+
+# Named meshes: every device on one axis.
+MESH_PRESETS = {
+    "data": "data=-1",
+    "fsdp": "fsdp=-1",
+    "tensor": "tensor=-1",
+}
+
+# How attention heads are placed on a tensor axis that does not divide them.
+HEAD_POLICIES = ("whole", "split")
+
+
+class ShardingError(ValueError):
+    """A mesh spec, mesh or rules table that cannot be used."""
+
+
+def parse_mesh_spec(spec: str, n_devices: int) -> dict[str, int]:
+    """Sizes of the three mesh axes from "data=2,tensor=4" (absent axes are 1; one
+    axis may be -1: whatever the devices leave) or a preset name (`MESH_PRESETS`).
+
+    Raises:
+      ShardingError naming the problem (unknown axis, bad size, wrong device count).
+    """
+    text = MESH_PRESETS.get(spec.strip(), spec)
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in MESH_AXES:
+            raise ShardingError(
+                f"mesh {spec!r}: {part!r} is not AXIS=SIZE with AXIS one of "
+                f"{', '.join(MESH_AXES)} (or a preset: {', '.join(MESH_PRESETS)})")
+        if name in sizes:
+            raise ShardingError(f"mesh {spec!r}: axis {name} given twice")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ShardingError(f"mesh {spec!r}: size {value!r} of {name} is not an "
+                                "integer") from None
+        if sizes[name] == 0 or sizes[name] < -1:
+            raise ShardingError(f"mesh {spec!r}: size of {name} must be positive or -1")
+    if not sizes:
+        raise ShardingError(f"mesh {spec!r} names no axis")
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ShardingError(f"mesh {spec!r}: only one axis may be -1")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if n_devices % fixed:
+            raise ShardingError(f"mesh {spec!r}: {n_devices} devices do not divide by "
+                                f"{fixed}")
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise ShardingError(
+            f"mesh {spec!r} has {math.prod(sizes.values())} devices, but there are "
+            f"{n_devices} ({jax.default_backend()}); make the sizes multiply to "
+            f"{n_devices}, or use -1 for one axis")
+    return {a: sizes.get(a, 1) for a in MESH_AXES}
+
+
+def make_mesh(spec: str | Mesh | None, devices: Sequence | None = None) -> Mesh | None:
+    """A mesh with the axes (data, fsdp, tensor), all `AxisType.Auto`.
+
+    Args:
+      spec: "data=2,tensor=4", a preset name ("tensor": every device on the tensor
+        axis), a Mesh (returned as it is), or None (None).
+      devices: the devices to lay out (default: all of jax.devices()); e.g. the devices
+        of a TPU topology for ahead-of-time compilation.
+    """
+    if spec is None or isinstance(spec, Mesh):
+        return spec
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh_spec(spec, len(devices))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    # Auto axes: the compiler propagates shardings from the annotated arrays (Explicit,
+    # this JAX's default, rejects the embedding gather from a vocab-sharded table).
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def describe(mesh: Mesh) -> str:
+    """ "data=2,fsdp=1,tensor=4" for a mesh."""
+    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def rules_for(cfg, mesh: Mesh, *, rules: Rules = RULES, heads: str = "whole") -> Rules:
+    """The rules table adapted to a model's heads on a mesh.
+
+    Args:
+      cfg: the ModelConfig (n_heads, n_kv_heads).
+      mesh: the mesh.
+      rules: the table to adapt (default `RULES`).
+      heads: "whole" (default): heads are split only whole (see the module docstring);
+        "split": the names are mapped as they are, even when a head is cut across
+        devices (kept to measure what it costs).
+    """
+    if heads not in HEAD_POLICIES:
+        raise ShardingError(f"heads={heads!r}: expected one of {HEAD_POLICIES}")
+    if heads == "split":
+        return tuple(rules)
+    table = dict(rules)
+
+    def size(name):
+        axes = table.get(name)
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        return math.prod(mesh.shape[a] for a in axes)
+
+    if cfg.n_heads % size("heads"):
+        table["heads"] = None
+        table["kv_heads"] = None
+    elif cfg.n_kv_heads % size("kv_heads"):
+        table["kv_heads"] = None
+    return tuple(table.items())
+
+
+def _fit(axes, dim: int, mesh: Mesh, taken: set):
+    """The longest prefix of `axes` whose mesh size divides dim (None if none), skipping
+    axes of size 1 and mesh axes another dimension of the same array already uses."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if a not in taken and mesh.shape[a] > 1)
+    while axes and dim % math.prod(mesh.shape[a] for a in axes):
+        axes = axes[:-1]
+    taken.update(axes)
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """A mesh and the rules that place arrays on it (hashable: part of compile keys)."""
+
+    mesh: Mesh
+    rules: Rules
+
+    @property
+    def batch_multiple(self) -> int:
+        """Rows of a batch must be a multiple of this for the batch to be split evenly."""
+        axes = dict(self.rules).get("batch")
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def spec(self, logical: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+        """The PartitionSpec for an array of `shape` with these logical axis names."""
+        if len(logical) != len(shape):
+            raise ShardingError(f"logical axes {tuple(logical)} do not match shape "
+                                f"{tuple(shape)}")
+        table = dict(self.rules)
+        taken: set = set()
+        return PartitionSpec(*(None if name is None else _fit(table.get(name), dim,
+                                                              self.mesh, taken)
+                               for name, dim in zip(logical, shape)))
+
+    def sharding(self, logical, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical, shape))
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def param_shardings(self, state: nnx.State) -> nnx.State:
+        """NamedShardings for a parameter State (abstract or concrete), from the names
+        each parameter carries (flax's `out_sharding` metadata)."""
+        def one(v):
+            names = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
+            return v.replace(self.sharding(names, v.shape))
+
+        return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def constrain(self, x, logical):
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
+
+
+def plan_for(cfg, mesh: str | Mesh, *, rules: Rules | None = None,
+             heads: str = "whole") -> ShardingPlan:
+    """The ShardingPlan of a model config on a mesh (a Mesh or a mesh spec string).
+    Given rules are used as they are; otherwise `RULES` adapted by `rules_for`."""
+    mesh = make_mesh(mesh)
+    return ShardingPlan(mesh, tuple(rules) if rules is not None else
+                        rules_for(cfg, mesh, heads=heads))
+
+
+def mesh_of(model) -> Mesh | None:
+    """The mesh a model's parameters are placed on, when they are on more than one
+    device through a NamedSharding (None otherwise)."""
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        s = getattr(leaf, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            return s.mesh
+        return None
+    return None
+
+
+def shard_model(model, plan: ShardingPlan):
+    """Places a model's parameters on the plan's mesh (in place; returns the model)."""
+    state = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.device_put(state, plan.param_shardings(state)))
+    return model
+
+
+def place(x, plan: ShardingPlan | None, logical):
+    """x (numpy or jax) on the plan's mesh with these logical axes; as it is without a
+    plan."""
+    if plan is None:
+        return x
+    return jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x,
+                          plan.sharding(logical, np.shape(x)))
+
+
+_ACTIVE: list[ShardingPlan] = []
+
+
+@contextlib.contextmanager
+def use(plan: ShardingPlan | None) -> Iterator[None]:
+    """Makes `plan` the one `constrain` applies while tracing (None: no constraints)."""
+    _ACTIVE.append(plan)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def active() -> ShardingPlan | None:
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def constrain(x, logical):
+    """x constrained to the active plan's sharding for these logical axes (x itself
+    when no plan is active)."""
+    plan = active()
+    return x if plan is None else plan.constrain(x, logical)
+
+
+__all__ = ["ACTIVATION", "CACHE", "HEAD_POLICIES", "MESH_AXES", "MESH_PRESETS", "ROWS",
+           "RULES", "TOKENS", "ShardingError", "ShardingPlan", "active", "constrain",
+           "describe", "make_mesh", "mesh_of", "parse_mesh_spec", "place", "plan_for",
+           "rules_for", "shard_model", "use"]
