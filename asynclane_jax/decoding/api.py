@@ -56,8 +56,11 @@ def make_schedule(sampler: str, *, gen_length: int, **options) -> Schedule:
 
 
 def sharding_plan(model, mesh) -> sharding.ShardingPlan | None:
-    """The plan `generate` decodes with: the given mesh (a Mesh or a spec string), else
-    the mesh the parameters are on, else None (one device, no constraints)."""
+    """The plan `generate` decodes with: the given plan, or mesh (a Mesh or a spec
+    string) with the default rules, else the mesh the parameters are on, else None (one
+    device, no constraints)."""
+    if isinstance(mesh, sharding.ShardingPlan):
+        return mesh
     mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(model)
     return None if mesh is None else sharding.plan_for(model.cfg, mesh)
 
@@ -130,7 +133,8 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
       bucket: prompt lengths are padded up to a multiple of this.
       pad_batch: pad the number of rows up to `batch_bucket(n)`.
       mesh: decode sharded over a mesh: a jax.sharding.Mesh, a spec such as
-        "data=2,tensor=4", or a preset name (see asynclane_jax.sharding). Default: the
+        "data=2,tensor=4", a preset name, or a ShardingPlan with rules of one's own
+        (see asynclane_jax.sharding). Default: the
         mesh the model's parameters were loaded onto (`load(..., mesh=...)`), if any.
         Parameters not yet on the mesh are placed on it (a copy); rows are padded to a
         multiple of the mesh's batch axes.

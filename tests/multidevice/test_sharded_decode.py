@@ -1,0 +1,141 @@
+"""Decoding sharded over 8 (fake CPU) devices gives the unsharded tokens, for every
+sampler, on a 2x4 (data x tensor) and a 1x8 mesh; the parameters and the K/V cache sit
+where the rules table says; heads that do not divide the tensor axis are handled."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import asynclane_jax
+from asynclane_jax import sharding
+from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding.api import build_canvas, make_schedule
+from asynclane_jax.models import init_model, tiny_dream
+from asynclane_jax.testbed import evaluate, tasks
+
+MESHES = ("data=2,tensor=4", "data=1,tensor=8")
+GEN = 96
+# Every registered sampler, on the shipped model of the family it was written for (the
+# shared ones on both).
+CASES = [("tiny-llada", "vanilla", {}), ("tiny-llada", "fast-dllm", {"cache": "dual"}),
+         ("tiny-llada", "fast-dllm", {"cache": "prefix"}), ("tiny-llada", "localleap", {}),
+         ("tiny-llada", "asynclane", {}), ("tiny-dream", "dream", {}),
+         ("tiny-dream", "fast-dllm", {"cache": "dual"}), ("tiny-dream", "asynclane", {})]
+
+
+@functools.cache
+def shipped(name):
+    return asynclane_jax.load(name)
+
+
+@functools.cache
+def prompts():
+    return evaluate.prompts_for(tasks.heldout(4))
+
+
+def test_every_sampler_is_covered():
+    assert {s for _, s, _ in CASES} == set(asynclane_jax.decoding.registry())
+
+
+@pytest.mark.parametrize("name,sampler,options", CASES,
+                         ids=[f"{n}-{s}-{'-'.join(o.values())}".rstrip("-")
+                              for n, s, o in CASES])
+def test_sharded_tokens_equal_unsharded(name, sampler, options):
+    model, tok, cfg = shipped(name)
+    kw = dict(tokenizer=tok, sampler=sampler, gen_length=GEN, **options)
+    base = generate(model, prompts(), **kw)
+    assert np.mean([tasks.check(p, t) for p, t in zip(tasks.heldout(4), base.text)]) > 0
+    for mesh in MESHES:
+        res = generate(model, prompts(), mesh=mesh, **kw)
+        np.testing.assert_array_equal(res.tokens, base.tokens, err_msg=f"mesh {mesh}")
+        assert res.stats.nfe == base.stats.nfe
+
+
+def _spec(plan, names, shape):
+    return plan.sharding(names, shape).spec
+
+
+def test_parameter_and_cache_placement():
+    """The parameters follow the rules; the cache the loop carries is split by rows on
+    the data axis and by K/V heads on the tensor axis (tiny-llada: 4 K/V heads)."""
+    model, _, cfg = shipped("tiny-llada")
+    plan = sharding.plan_for(cfg, "data=2,tensor=4")
+    params = jax.device_put(nnx.state(model, nnx.Param),
+                            plan.param_shardings(nnx.state(model, nnx.Param)))
+    layer = params["layers"][0]
+    assert layer["attn"]["q_proj"]["kernel"][...].sharding.spec == P(None, "tensor")
+    assert layer["attn"]["k_proj"]["kernel"][...].sharding.spec == P(None, "tensor")
+    assert layer["attn"]["o_proj"]["kernel"][...].sharding.spec == P("tensor", None)
+    assert layer["mlp"]["down_proj"]["kernel"][...].sharding.spec == P("tensor", None)
+    # A 159-token vocabulary does not divide by 4: replicated, not refused.
+    assert params["embed"][...].sharding.spec == P(None, None)
+    assert params["lm_head"]["kernel"][...].sharding.spec == P(None, None)
+
+    on_8 = sharding.plan_for(cfg, "tensor=8")  # 4 heads on 8 devices: attention replicated
+    assert dict(on_8.rules)["heads"] is None and dict(on_8.rules)["mlp"] == "tensor"
+
+    schedule = make_schedule("fast-dllm", gen_length=GEN, cache="dual")
+    canvas, pad_len, _ = build_canvas([[5, 6, 7]] * 4, GEN, cfg, 32)
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, plan.param_shardings(state))
+    args = (state, sharding.place(canvas, plan, sharding.TOKENS),
+            sharding.place(pad_len, plan, sharding.ROWS),
+            sharding.place(np.ones(4, bool), plan, sharding.ROWS), jax.random.key(0))
+    loop = jax.jit(functools.partial(driver.decode_loop, graphdef, schedule=schedule))
+    with sharding.use(plan):
+        final = loop(*args)
+    k = final.cache.k
+    assert k.sharding.is_equivalent_to(
+        plan.sharding(sharding.CACHE, k.shape), k.ndim), k.sharding
+    assert plan.spec(sharding.CACHE, k.shape) == P(None, "data", None, "tensor", None)
+    assert final.canvas.sharding.is_equivalent_to(
+        plan.sharding(sharding.TOKENS, final.canvas.shape), 2)
+
+
+def test_model_loaded_on_a_mesh_decodes_there():
+    """generate() without mesh= uses the mesh the parameters are on, pads the rows to
+    the batch axes, and compiles once for repeated shapes."""
+    model, tok, cfg = shipped("tiny-llada")
+    base = generate(model, prompts()[:3], tokenizer=tok, gen_length=GEN)
+    placed = sharding.shard_model(nnx.clone(model), sharding.plan_for(cfg, "data=4,tensor=2"))
+    assert sharding.mesh_of(placed).shape["data"] == 4
+    res = generate(placed, prompts()[:3], tokenizer=tok, gen_length=GEN)
+    np.testing.assert_array_equal(res.tokens, base.tokens)
+    assert res.stats.batch_bucket == 4
+    again = generate(placed, prompts()[:3], tokenizer=tok, gen_length=GEN)
+    assert not again.stats.compiled
+    one = generate(placed, prompts()[:1], tokenizer=tok, gen_length=GEN)  # 1 row -> 4
+    np.testing.assert_array_equal(one.tokens, base.tokens[:1])
+
+
+def _seven_one_model():
+    """A tiny Dream-shaped model with 7 query heads and 1 key/value head (Dream-7B's
+    28/4 per K/V head), its output head sharpened so greedy choices are clear."""
+    cfg = tiny_dream().replace(n_heads=7, n_kv_heads=1, head_dim=16, d_model=112)
+    model = init_model(cfg, seed=3)
+    model.lm_head.kernel[...] = model.lm_head.kernel[...] * 30.0
+    return model, cfg
+
+
+@pytest.mark.parametrize("heads", ["whole", "split"])
+def test_seven_query_one_kv_head_on_four_way_tensor_axis(heads):
+    model, cfg = _seven_one_model()
+    rng = np.random.default_rng(0)
+    ids = [[int(t) for t in rng.integers(0, cfg.vocab_size - 3, n)] for n in (5, 9)]
+    kw = dict(sampler="asynclane", gen_length=32)
+    base = generate(model, ids, **kw)
+    plan = sharding.plan_for(cfg, "data=2,tensor=4", heads=heads)
+    q = plan.param_shardings(nnx.state(model, nnx.Param))["layers"][0]["attn"]["q_proj"]
+    if heads == "whole":  # 7 heads do not divide by 4: attention replicated, MLP split
+        assert q["kernel"].get_value().spec == P(None, None)
+        assert _spec(plan, ("embed", "mlp"), (112, cfg.mlp_hidden)) == P(None, "tensor")
+    else:  # 7 * 16 = 112 columns split 4 ways: 28 columns each, cutting heads
+        assert q["kernel"].get_value().spec == P(None, "tensor")
+    res = generate(model, ids, mesh=plan, **kw)
+    np.testing.assert_array_equal(res.tokens, base.tokens)
