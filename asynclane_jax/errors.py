@@ -5,6 +5,7 @@ from __future__ import annotations
 from asynclane_jax.checkpoint import CheckpointError
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.models.config import ConfigError
+from asynclane_jax.sharding import ShardingError
 
 
 class UsageError(ValueError):
@@ -13,4 +14,5 @@ class UsageError(ValueError):
 
 # Printed as one line on stderr with exit status 2, no traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (UsageError, ConfigError, CheckpointError,
-                                                SamplerError, FileNotFoundError)
+                                                SamplerError, ShardingError,
+                                                FileNotFoundError)

@@ -12,6 +12,7 @@ heads, K key/value heads, h head dim, V vocabulary, L layers.
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -82,21 +83,55 @@ def rope(x, positions, theta: float):
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
+# Attention implementations: "auto" picks the fused cuDNN kernel of
+# jax.nn.dot_product_attention on a GPU in 16-bit floats and XLA's otherwise; "xla" and
+# "cudnn" ask for one; "reference" is a plain einsum softmax, the check for the others.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
+_warned_fallback: set = set()
+
+
+def resolve_attention(implementation: str | None, dtype) -> str:
+    """The implementation `attention` runs for a requested one (None: "auto")."""
+    impl = implementation or "auto"
+    if impl not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {impl!r}: expected one of "
+                         f"{ATTENTION_IMPLEMENTATIONS}")
+    if impl == "auto":
+        fused = jax.default_backend() == "gpu" and jnp.dtype(dtype) in (
+            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        return "cudnn" if fused else "xla"
+    return impl
+
+
+def _reference_attention(q, k, v, mask):
+    """Grouped-query softmax attention written out (float32 scores and softmax)."""
+    b, Q, H, h = q.shape
+    K = k.shape[2]
+    qg = q.reshape(b, Q, K, H // K, h).astype(jnp.float32)
+    s = jnp.einsum("bqkgh,btkh->bkgqt", qg, k.astype(jnp.float32)) / math.sqrt(h)
+    if mask is not None:  # [b, 1, 1|Q, T] -> [b, 1, 1, 1|Q, T]
+        s = jnp.where(mask[:, :, None], s, jnp.finfo(jnp.float32).min)
+    w = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgqt,btkh->bqkgh", w, v.astype(jnp.float32))
+    return o.reshape(b, Q, H, h).astype(q.dtype)
+
+
 def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementation=None):
     """Grouped-query softmax attention: the one attention of the model.
 
     The mask is never built as [b, Q, T] by the caller: a [b, T] key mask covers padding,
     and block-causal attention (D2F: a query sees keys of its own and earlier blocks) is
     given as block ids per query and per key. Both go to `jax.nn.dot_product_attention`,
-    which can run a fused kernel (`implementation="cudnn"` on GPUs); its default XLA path
-    computes the scores in float32 and the softmax in float32 whatever the input dtype.
+    which runs cuDNN's fused kernel on GPUs (`implementation` "auto" or "cudnn"); its
+    XLA path computes the scores and the softmax in float32 whatever the input dtype.
+    When cuDNN refuses a shape or mask, the XLA path runs instead (said once).
 
     Args:
       q: [b, Q, H, h]; k, v: [b, T, K, h] (H a multiple of K).
       key_mask: [b, T] bool, False for keys no query may attend (padding); None: all.
       q_block, k_block: [b, Q] and [b, T] int block ids; when given, a query attends only
         to keys whose block id is <= its own.
-      implementation: passed to jax.nn.dot_product_attention (None: XLA).
+      implementation: one of ATTENTION_IMPLEMENTATIONS (None: "auto").
     Returns:
       [b, Q, H, h] in q's dtype.
     """
@@ -106,8 +141,21 @@ def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementat
     if q_block is not None:
         causal = (k_block[:, None, :] <= q_block[:, :, None])[:, None]  # [b, 1, Q, T]
         mask = causal if mask is None else mask & causal
-    return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
-                                        implementation=implementation)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    impl = resolve_attention(implementation, q.dtype)
+    if impl == "reference":
+        return _reference_attention(q, k, v, mask)
+    if impl == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            if implementation == "cudnn":
+                raise
+            if str(e) not in _warned_fallback:
+                _warned_fallback.add(str(e))
+                warnings.warn(f"cuDNN attention unavailable here ({e}); using XLA's",
+                              stacklevel=2)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
 
 
 def query_block_ids(block_ids, cache, write_index):
@@ -235,8 +283,9 @@ class KVCache:
 class DiffusionLM(nnx.Module):
     """A LLaDA- or Dream-architecture mask-diffusion language model."""
 
-    # jax.nn.dot_product_attention's `implementation` (None: XLA; "cudnn" on GPUs).
-    attention_implementation: str | None = None
+    # One of ATTENTION_IMPLEMENTATIONS; set it on a model to choose (e.g. "xla" to keep
+    # a GPU off cuDNN's kernel). "auto": cuDNN's fused kernel on GPUs in 16-bit floats.
+    attention_implementation: str = "auto"
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
