@@ -259,12 +259,31 @@ def shard_model(model, plan: ShardingPlan):
 
 
 def place(x, plan: ShardingPlan | None, logical):
-    """x (numpy or jax) on the plan's mesh with these logical axes; as it is without a
+    """A host array (the same on every host) on the plan's mesh with these logical
+    axes; each process fills only the shards of its own devices. As it is without a
     plan."""
     if plan is None:
         return x
-    return jax.device_put(np.asarray(x) if not isinstance(x, jax.Array) else x,
-                          plan.sharding(logical, np.shape(x)))
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, plan.sharding(logical, x.shape),
+                                        lambda index: x[index])
+
+
+def to_host(tree):
+    """Every array of tree (PRNG keys aside) as a numpy array of its global value;
+    arrays spread over several hosts' devices are gathered from all of them (every
+    process must call it)."""
+    def one(x):
+        if not isinstance(x, jax.Array) or jax.dtypes.issubdtype(x.dtype,
+                                                                  jax.dtypes.prng_key):
+            return x
+        if not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
 
 
 _ACTIVE: list[ShardingPlan] = []
@@ -294,4 +313,4 @@ def constrain(x, logical):
 __all__ = ["ACTIVATION", "CACHE", "HEAD_POLICIES", "MESH_AXES", "MESH_PRESETS", "ROWS",
            "RULES", "TOKENS", "ShardingError", "ShardingPlan", "active", "constrain",
            "describe", "make_mesh", "mesh_of", "parse_mesh_spec", "place", "plan_for",
-           "rules_for", "shard_model", "use"]
+           "rules_for", "shard_model", "to_host", "use"]

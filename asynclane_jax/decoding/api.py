@@ -65,6 +65,13 @@ def sharding_plan(model, mesh) -> sharding.ShardingPlan | None:
     return None if mesh is None else sharding.plan_for(model.cfg, mesh)
 
 
+def _replicated_key(rng, plan: sharding.ShardingPlan):
+    """The PRNG key replicated on the plan's mesh (built on every host from its data)."""
+    data = np.asarray(jax.random.key_data(rng))
+    placed = sharding.place(data, plan, (None,) * data.ndim)
+    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(rng))
+
+
 def bucket_length(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket
 
@@ -180,11 +187,12 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
         args = (params, sharding.place(canvas, plan, sharding.TOKENS),
                 sharding.place(pad_len, plan, sharding.ROWS),
                 sharding.place(live, plan, sharding.ROWS),
-                jax.device_put(rng, plan.replicated()))
+                _replicated_key(rng, plan))
     exe, compiled = driver.compiled_decode(graphdef, *args, schedule=schedule, plan=plan)
     t0 = time.perf_counter()
     state = jax.block_until_ready(exe.fn(*args))
     decode_time = time.perf_counter() - t0
+    state = sharding.to_host(state)
 
     real = slice(0, n)
     tokens = np.asarray(state.canvas)[real, P:]
