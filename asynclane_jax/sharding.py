@@ -203,14 +203,16 @@ class ShardingPlan:
 
     def spec(self, logical: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
         """The PartitionSpec for an array of `shape` with these logical axis names."""
-        if len(logical) != len(shape):
-            raise ShardingError(f"logical axes {tuple(logical)} do not match shape "
-                                f"{tuple(shape)}")
         table = dict(self.rules)
+        return self._fitted([None if n is None else table.get(n) for n in logical], shape)
+
+    def _fitted(self, mesh_axes, shape) -> PartitionSpec:
+        """Mesh axes per dimension, each cut to what divides the dimension."""
+        if len(mesh_axes) != len(shape):
+            raise ShardingError(f"axes {tuple(mesh_axes)} do not match shape {tuple(shape)}")
         taken: set = set()
-        return PartitionSpec(*(None if name is None else _fit(table.get(name), dim,
-                                                              self.mesh, taken)
-                               for name, dim in zip(logical, shape)))
+        return PartitionSpec(*(_fit(a, dim, self.mesh, taken)
+                               for a, dim in zip(mesh_axes, shape)))
 
     def sharding(self, logical, shape) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical, shape))
@@ -219,13 +221,17 @@ class ShardingPlan:
         return NamedSharding(self.mesh, PartitionSpec())
 
     def param_shardings(self, state: nnx.State) -> nnx.State:
-        """NamedShardings for a parameter State (abstract or concrete), from the names
-        each parameter carries (flax's `out_sharding` metadata)."""
-        def one(v):
-            names = v.get_metadata().get("out_sharding") or (None,) * len(v.shape)
-            return v.replace(self.sharding(names, v.shape))
+        """NamedShardings for a parameter State (abstract or concrete): flax maps the
+        logical names each parameter carries through the rules, then any mesh axis
+        that does not divide its dimension is dropped."""
+        with nnx.logical_axis_rules(self.rules):
+            specs = nnx.get_partition_spec(state)
 
-        return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        def one(v, spec):  # a parameter without names is replicated
+            axes = tuple(spec.get_value()) or (None,) * len(v.shape)
+            return v.replace(NamedSharding(self.mesh, self._fitted(axes, v.shape)))
+
+        return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def constrain(self, x, logical):
         return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
