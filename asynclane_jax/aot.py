@@ -1,0 +1,491 @@
+"""Ahead-of-time compilation of the whole decode for a TPU slice, without weights and
+without a TPU: what a slice must hold per chip, before paying for one.
+
+    asynclane-jax aot --preset llada-8b-instruct --sampler asynclane --gen-length 512 \\
+        --batch 8 --topology v5e:2x4 --mesh data=1,tensor=8 [--json]
+
+The model is abstract (ShapeDtypeStructs: nothing is allocated), the parameters, canvas
+and per-row arrays carry the shardings of `sharding.plan_for` on a mesh laid over the
+devices of a TPU topology description, and the TPU compiler (libtpu, installed by the
+`tpu` extra: pip install 'asynclane-jax[tpu]') builds the same program `generate` would
+run there. The compiled program's own memory analysis gives the per-device sizes.
+
+Topologies are GENERATION:SHAPE: "v5e:2x4", "v6e:1x1" (2-D for v5e and v6e),
+"v5p:2x2x1", "v4:2x2x1" (3-D; one JAX device per chip, both TensorCores of a chip
+together, as JAX runs v4 and v5p). Slices that fit on one host (v5e/v6e up to 2x4,
+v4/v5p up to 2x2x1) are described as one host; larger ones as hosts of 2x2 chips.
+
+The API is `compile_for_topology(...) -> AotReport`; `register` adds the `aot`
+subcommand to the asynclane-jax command line (through the `asynclane_jax.commands`
+entry points in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from asynclane_jax.errors import UsageError
+
+GIB = 2 ** 30
+
+# HBM per chip (GiB) and how each generation's topology is written.
+GENERATIONS: dict[str, dict[str, Any]] = {
+    "v4": {"hbm_gib": 32, "ndim": 3, "host": (2, 2, 1), "megacore": True},
+    "v5e": {"hbm_gib": 16, "ndim": 2, "host": (2, 4, 1), "megacore": False},
+    "v5p": {"hbm_gib": 95, "ndim": 3, "host": (2, 2, 1), "megacore": True},
+    "v6e": {"hbm_gib": 32, "ndim": 2, "host": (2, 4, 1), "megacore": False},
+}
+# Device kinds the compiler's devices report -> generation.
+DEVICE_KINDS = {
+    "TPU v4": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+}
+# Hosts of a slice larger than one host hold 2x2 chips.
+MULTI_HOST_BOUNDS = (2, 2, 1)
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+               "collective-permute")
+# An instruction's opcode follows its result shape: `%x = bf16[8,128]{1,0} all-gather(`;
+# asynchronous collectives are counted once, at their -start.
+_COLLECTIVE_RE = re.compile(r"[\s)}\]](" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_TOPOLOGY_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)*)$")
+_INSTALL = "install it with: pip install 'asynclane-jax[tpu]'"
+
+
+class AotError(UsageError):
+    """A topology, mesh or request the ahead-of-time compile cannot use, or a missing
+    TPU compiler."""
+
+
+def tpu_compiler_available() -> bool:
+    """Whether libtpu (the TPU compiler) is installed."""
+    spec = importlib.util.find_spec("libtpu")
+    return spec is not None and spec.origin is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """A TPU topology description: its devices (compile-only) and HBM per chip."""
+
+    topology: str
+    generation: str
+    shape: tuple[int, ...]
+    devices: tuple
+    device_kind: str
+    hbm_bytes: int
+
+
+def parse_topology(topology: str) -> tuple[str, tuple[int, ...]]:
+    """("v5e", (2, 4)) from "v5e:2x4"; AotError naming the problem otherwise."""
+    text = topology.strip().lower()
+    m = _TOPOLOGY_RE.match(text)
+    if not m:
+        raise AotError(f"topology {topology!r}: expected GENERATION:SHAPE such as v5e:2x4, "
+                       "v6e:1x1, v5p:2x2x1 or v4:2x2x1")
+    gen, shape = m.group(1), tuple(int(d) for d in m.group(2).split("x"))
+    if gen not in GENERATIONS:
+        raise AotError(f"topology {topology!r}: unknown TPU generation {gen!r}; known: "
+                       f"{', '.join(GENERATIONS)}")
+    ndim = GENERATIONS[gen]["ndim"]
+    if len(shape) != ndim or min(shape) < 1:
+        example = "2x4" if ndim == 2 else "2x2x1"
+        raise AotError(f"topology {topology!r}: {gen} slices have {ndim} positive "
+                       f"dimensions, e.g. {gen}:{example}")
+    return gen, shape
+
+
+def _host_bounds(gen: str, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    shape3 = (*shape, 1) if len(shape) == 2 else shape
+    host = GENERATIONS[gen]["host"]
+    if all(s <= h for s, h in zip(shape3, host)):
+        return shape3  # one host holds the whole slice
+    return MULTI_HOST_BOUNDS
+
+
+def tpu_slice(topology: str, hbm_gib: float | None = None) -> Slice:
+    """The compile-only devices of a TPU topology (needs libtpu, no TPU).
+
+    Args:
+      topology: "v5e:2x4", "v6e:1x1", "v5p:2x2x1", "v4:2x2x1", ...
+      hbm_gib: HBM per chip to check against, instead of the generation's.
+    Raises:
+      AotError: unknown or malformed topology, or libtpu missing.
+    """
+    gen, shape = parse_topology(topology)
+    if not tpu_compiler_available():
+        raise AotError(f"the TPU compiler (libtpu) is not installed; {_INSTALL}")
+    from jax.experimental import topologies
+
+    # A compile-only topology uses no TPU, so there is nothing to guard with libtpu's
+    # one-process lockfile (/tmp/libtpu_lockfile); without this a second process that
+    # loads libtpu (another `aot`, a test run) fails. Set it to 0 to keep the lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kwargs: dict[str, Any] = {"chips_per_host_bounds": _host_bounds(gen, shape)}
+    if GENERATIONS[gen]["megacore"]:
+        kwargs["chip_config_name"] = "megacore"
+    name = f"{gen}:{'x'.join(map(str, shape))}"
+    try:
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu", **kwargs)
+    except RuntimeError as e:  # JaxRuntimeError is one
+        if "not installed" in str(e):
+            raise AotError(f"the TPU compiler (libtpu) is not usable: {e}; {_INSTALL}") \
+                from None
+        if "lockfile" in str(e):
+            raise AotError(f"libtpu is in use by another process ({_first_line(e)}); "
+                           "with no TPU attached, ALLOW_MULTIPLE_LIBTPU_LOAD=1 lets "
+                           "several processes compile") from None
+        raise AotError(f"topology {topology!r}: {_first_line(e)}") from None
+    devices = tuple(desc.devices)
+    kind = devices[0].device_kind
+    hbm = GENERATIONS[DEVICE_KINDS.get(kind, gen)]["hbm_gib"] if hbm_gib is None else hbm_gib
+    if not hbm > 0:
+        raise AotError(f"hbm_gib={hbm_gib!r}: must be positive")
+    return Slice(topology=name, generation=gen, shape=shape, devices=devices,
+                 device_kind=kind, hbm_bytes=int(hbm * GIB))
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """Collective instructions in a compiled HLO module's text, by kind (asynchronous
+    ones once; a loop's body is counted once, not once per iteration)."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for m in _COLLECTIVE_RE.finditer(hlo_text):
+        counts[m.group(1)] += 1
+    return counts
+
+
+@dataclasses.dataclass
+class AotReport:
+    """What the compiled decode needs per device of a TPU slice.
+
+    Sizes are per device (per chip), from the compiled program's `memory_analysis()`:
+      argument_bytes: the inputs, i.e. this device's shard of the weights (and canvas);
+      output_bytes: the result (canvas and per-row statistics);
+      alias_bytes: output bytes that share an input's buffer (counted once);
+      temp_bytes: everything the program allocates while it runs (K/V cache, the loop's
+        state, activations, logits);
+      code_bytes: the program itself (TPU programs are loaded into HBM).
+    peak_bytes = argument + output - alias + temp + code: all of it is live at once in the
+    worst case, and it is what the TPU compiler itself adds up against HBM. It does not
+    include the few hundred MiB the TPU runtime keeps for itself, which is one reason to
+    ask for headroom rather than an exact fit.
+    `compiler_peak_bytes` is the compiler's own peak over the program's temporaries
+    (memory_analysis().peak_memory_in_bytes), for reference.
+
+    When the TPU compiler itself refuses the program for lack of HBM, the sizes are None
+    and `reason` carries the compiler's message.
+    """
+
+    model: str
+    sampler: str
+    options: dict
+    gen_length: int
+    prompt_len: int
+    batch: int
+    rows: int
+    dtype: str
+    topology: str
+    device_kind: str
+    chips: int
+    mesh: str
+    heads: str
+    hbm_bytes: int
+    param_bytes: int
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    code_bytes: int | None
+    peak_bytes: int | None
+    compiler_peak_bytes: int | None
+    headroom_bytes: int | None
+    fits: bool
+    reason: str
+    collectives: dict[str, int]
+    lower_s: float
+    compile_s: float
+    hlo_text: str | None = dataclasses.field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("hlo_text")
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def summary(self) -> str:
+        """A few lines for people."""
+        g = lambda b: f"{b / GIB:.2f} GiB"
+        opts = " ".join(f"{k}={v}" for k, v in self.options.items())
+        lines = [f"{self.model} {self.sampler}{' ' + opts if opts else ''}: gen_length "
+                 f"{self.gen_length}, prompt {self.prompt_len}, batch {self.batch}"
+                 f"{f' (padded to {self.rows} rows)' if self.rows != self.batch else ''}, "
+                 f"{self.dtype}",
+                 f"on {self.topology}: {self.chips} x {self.device_kind}, "
+                 f"{g(self.hbm_bytes)} HBM each; mesh {self.mesh}, heads {self.heads}"]
+        if self.peak_bytes is not None:
+            lines.append(f"per device: arguments {g(self.argument_bytes)}, output "
+                         f"{g(self.output_bytes)}, temporaries {g(self.temp_bytes)}, code "
+                         f"{g(self.code_bytes)}; peak {g(self.peak_bytes)} of "
+                         f"{g(self.hbm_bytes)} (headroom {g(self.headroom_bytes)}, "
+                         f"{100 * self.headroom_bytes / self.hbm_bytes:.0f}%)")
+        lines.append("collectives in the program: " + ", ".join(
+            f"{k} {v}" for k, v in self.collectives.items()))
+        lines.append(f"lowered in {self.lower_s:.1f} s, compiled in {self.compile_s:.1f} s")
+        lines.append("fits." if self.fits else f"does not fit: {self.reason}")
+        return "\n".join(lines)
+
+
+def _config(model, dtype):
+    from asynclane_jax.models import ModelConfig, preset
+
+    if isinstance(model, ModelConfig):
+        cfg, name = model, f"{model.family} config"
+    elif isinstance(model, str):
+        cfg, name = preset(model), model
+    else:
+        raise AotError(f"model: expected a preset name or a ModelConfig, got "
+                       f"{type(model).__name__}")
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    return cfg, name
+
+
+def _mesh(spec, tpu: Slice):
+    from asynclane_jax import sharding
+
+    n = len(tpu.devices)
+    try:
+        sharding.parse_mesh_spec(spec, n)
+    except sharding.ShardingError as e:
+        text = sharding.MESH_PRESETS.get(spec.strip(), spec)
+        sizes = [int(s) for s in re.findall(r"=\s*(-?\d+)", text)]
+        if sizes and min(sizes) > 0 and math.prod(sizes) != n:
+            raise AotError(f"mesh {spec!r} has {math.prod(sizes)} devices, but topology "
+                           f"{tpu.topology} has {n} chips; make the axis sizes multiply "
+                           f"to {n}, or use -1 for one axis") from None
+        raise AotError(str(e)) from None
+    return sharding.make_mesh(spec, devices=list(tpu.devices))
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
+
+
+def compile_for_topology(model, *, sampler: str = "asynclane", gen_length: int = 128,
+                         batch: int = 1, prompt_len: int = 128, topology: str,
+                         mesh: str = "tensor", options: dict | None = None,
+                         heads: str = "whole", dtype: str | None = None,
+                         hbm_gib: float | None = None, keep_hlo: bool = False) -> AotReport:
+    """Compiles the whole decode for a TPU slice without weights or a TPU.
+
+    Args:
+      model: a preset name ("llada-8b-instruct") or a ModelConfig.
+      sampler: a registered sampler name; options: its options (e.g. {"cache": "dual"}).
+      gen_length: tokens generated per row.
+      batch: rows; padded as `generate` pads them (1, 2, 4, 8, then multiples of 8, and a
+        multiple of the mesh's batch axes).
+      prompt_len: prompt tokens, rounded up to `generate`'s prompt bucket.
+      topology: "v5e:2x4", "v6e:1x1", "v5p:2x2x1", "v4:2x2x1", ...
+      mesh: a mesh spec over the topology's chips ("data=1,tensor=8", "tensor", ...).
+      heads: the sharding plan's head policy ("whole" or "split", see
+        asynclane_jax.sharding.rules_for).
+      dtype: parameter and compute dtype (default: the config's).
+      hbm_gib: HBM per chip to check against (default: the generation's).
+      keep_hlo: keep the compiled HLO text in the report (`hlo_text`).
+    Returns:
+      AotReport (per-device sizes, collectives, compile time, whether it fits).
+    Raises:
+      AotError: bad topology or mesh, libtpu missing; SamplerError / ConfigError for a bad
+      sampler, option or preset.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from asynclane_jax import sharding
+    from asynclane_jax.decoding import driver
+    from asynclane_jax.decoding.api import (
+        DEFAULT_BUCKET,
+        batch_bucket,
+        bucket_length,
+        make_schedule,
+    )
+    from asynclane_jax.models import abstract_model, param_stats
+
+    cfg, name = _config(model, dtype)
+    options = dict(options or {})
+    if batch < 1 or gen_length < 1 or prompt_len < 1:
+        raise AotError("batch, gen_length and prompt_len must be positive")
+    schedule = make_schedule(sampler, gen_length=gen_length, **options).bind(None, cfg)
+    tpu = tpu_slice(topology, hbm_gib)
+    try:
+        plan = sharding.plan_for(cfg, _mesh(mesh, tpu), heads=heads)
+    except sharding.ShardingError as e:
+        raise AotError(str(e)) from None
+    P = bucket_length(prompt_len, DEFAULT_BUCKET)
+    rows = batch_bucket(batch)
+    rows = -(-rows // plan.batch_multiple) * plan.batch_multiple
+    if P + gen_length > cfg.max_seq_len:
+        raise AotError(f"prompt {P} + gen_length {gen_length} exceeds the model's "
+                       f"max_seq_len {cfg.max_seq_len}")
+
+    graphdef, params = nnx.split(abstract_model(cfg))
+    params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
+                          params, plan.param_shardings(params))
+    sds = lambda shape, dtype, logical: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=plan.sharding(logical, shape))
+    canvas = sds((rows, P + gen_length), jnp.int32, sharding.TOKENS)
+    pad_len = sds((rows,), jnp.int32, sharding.ROWS)
+    live = sds((rows,), jnp.bool_, sharding.ROWS)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=plan.replicated())
+
+    t0 = time.perf_counter()
+    lowered = driver.lower_decode(graphdef, params, canvas, pad_len, live, rng,
+                                  schedule=schedule, plan=plan)
+    t1 = time.perf_counter()
+    compiled, failure = None, ""
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # the TPU compiler refuses what does not fit in HBM
+        if not _out_of_memory(e):
+            raise
+        failure = f"the TPU compiler ran out of HBM: {_oom_message(e)}"
+    t2 = time.perf_counter()
+
+    sizes: dict[str, Any] = dict.fromkeys(
+        ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes",
+         "peak_bytes", "compiler_peak_bytes", "headroom_bytes"))
+    collectives = dict.fromkeys(COLLECTIVES, 0)
+    hlo = None
+    if compiled is not None:
+        mem = compiled.memory_analysis()
+        sizes.update(argument_bytes=mem.argument_size_in_bytes,
+                     output_bytes=mem.output_size_in_bytes,
+                     alias_bytes=mem.alias_size_in_bytes,
+                     temp_bytes=mem.temp_size_in_bytes,
+                     code_bytes=mem.generated_code_size_in_bytes,
+                     compiler_peak_bytes=getattr(mem, "peak_memory_in_bytes", None))
+        peak = (sizes["argument_bytes"] + sizes["output_bytes"] - sizes["alias_bytes"]
+                + sizes["temp_bytes"] + sizes["code_bytes"])
+        sizes.update(peak_bytes=peak, headroom_bytes=tpu.hbm_bytes - peak)
+        hlo = compiled.as_text()
+        collectives = count_collectives(hlo)
+        if peak > tpu.hbm_bytes:
+            failure = (f"needs {peak / GIB:.2f} GiB per chip, {tpu.device_kind} chips have "
+                       f"{tpu.hbm_bytes / GIB:.2f} GiB (over by "
+                       f"{(peak - tpu.hbm_bytes) / GIB:.2f} GiB)")
+
+    return AotReport(
+        model=name, sampler=sampler, options=options, gen_length=gen_length,
+        prompt_len=P, batch=batch, rows=rows, dtype=cfg.param_dtype,
+        topology=tpu.topology, device_kind=tpu.device_kind, chips=len(tpu.devices),
+        mesh=sharding.describe(plan.mesh), heads=heads, hbm_bytes=tpu.hbm_bytes,
+        param_bytes=param_stats(cfg)["params"] * jnp.dtype(cfg.param_dtype).itemsize,
+        **sizes, fits=not failure, reason=failure, collectives=collectives,
+        lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
+        hlo_text=hlo if keep_hlo else None)
+
+
+def _oom_message(e: BaseException) -> str:
+    """The compiler's own account of an HBM overflow, on one line."""
+    text = str(e)
+    m = re.search(r"(Ran out of memory in memory space hbm[^\n]*)", text)
+    line = m.group(1) if m else _first_line(e)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+# --------------------------------------------------------------------------- command
+
+
+def register(subparsers) -> None:
+    """Adds the `aot` subcommand to the asynclane-jax command line."""
+    from asynclane_jax.models.config import DTYPES, PRESETS
+
+    p = subparsers.add_parser(
+        "aot", help="compile the decode for a TPU slice (no weights, no TPU): per-chip "
+                    "memory and whether it fits",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named config")
+    p.add_argument("--model", help="a converted folder or shipped model name (its config)")
+    p.add_argument("--sampler", default="asynclane")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a sampler option, e.g. cache=dual (repeat for more)")
+    p.add_argument("--gen-length", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--topology", required=True,
+                   help="TPU slice: v5e:2x4, v6e:1x1, v5p:2x2x1, v4:2x2x1, ...")
+    p.add_argument("--mesh", default="tensor",
+                   help="mesh over the slice's chips, e.g. data=1,tensor=8 (default: "
+                        "every chip on the tensor axis)")
+    p.add_argument("--heads", choices=("whole", "split"), default="whole",
+                   help="attention heads the tensor axis does not divide: replicate "
+                        "attention (whole, default) or cut inside heads (split)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="parameter and compute dtype (default bfloat16)")
+    p.add_argument("--hbm-gib", type=float, default=None,
+                   help="HBM per chip to check against (default: the generation's: "
+                        + ", ".join(f"{k} {v['hbm_gib']}" for k, v in GENERATIONS.items())
+                        + ")")
+    p.add_argument("--save-hlo", default=None, metavar="PATH",
+                   help="write the compiled program's HLO text here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """The `aot` command: 0 when the decode fits, 1 when it does not (and why)."""
+    from asynclane_jax.decoding.schedule import parse_options
+
+    if (args.preset is None) == (args.model is None):
+        raise AotError("give exactly one of --preset NAME or --model PATH")
+    if args.preset:
+        model = args.preset
+    else:
+        from asynclane_jax.checkpoint import read_config
+
+        model = read_config(args.model)[0]
+    for pair in args.option:
+        if "=" not in pair:
+            raise AotError(f"--option {pair!r}: expected KEY=VALUE")
+    report = compile_for_topology(
+        model, sampler=args.sampler, gen_length=args.gen_length, batch=args.batch,
+        prompt_len=args.prompt, topology=args.topology, mesh=args.mesh,
+        options=parse_options(args.option), heads=args.heads, dtype=args.dtype,
+        hbm_gib=args.hbm_gib, keep_hlo=bool(args.save_hlo))
+    if args.model:
+        report.model = str(args.model)
+    if args.save_hlo and report.hlo_text is not None:
+        with open(args.save_hlo, "w") as f:
+            f.write(report.hlo_text)
+    print(report.to_json() if args.json else report.summary())
+    if not report.fits:
+        print(f"asynclane-jax aot: does not fit on {report.topology}: {report.reason}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["AotError", "AotReport", "COLLECTIVES", "GENERATIONS", "Slice",
+           "compile_for_topology", "count_collectives", "parse_topology", "register",
+           "tpu_compiler_available", "tpu_slice"]
