@@ -11,7 +11,9 @@ With `--tpu v6e:1x1` (needs `jax[tpu]` of the JAX version in use; no TPU is need
 real TPU compiler builds the program for one chip of that topology. The CPU backend has
 no bfloat16 matmul and upcasts every weight to float32 inside the program, so its
 temporaries (about twice the weights) say little about a TPU's; the TPU compile is the
-one to read for memory.
+one to read for memory. For a slice of several chips under a sharding plan, and to
+know whether it fits, use `asynclane-jax aot` (asynclane_jax/aot.py; the 8B rows are in
+experiments/results/memory-8b.md, made by experiments/memory_8b.py).
 
 Usage: python experiments/compile_8b.py [--preset llada-8b-instruct] [--batch 8]
        [--gen-length 256] [--prompt 128] [--sampler fast-dllm] [--option cache=dual]
