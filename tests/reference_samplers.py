@@ -631,3 +631,86 @@ __all__ = [
     "dream_transfer_count", "factor_commit_count", "linspace_f32", "shift_logits",
     "runner", "make_model", "make_prompts",
 ]
+
+
+# ----------------------------------------------------------------------------- D2F
+
+@partial(jax.jit, static_argnums=0)
+def _full_blocks(graphdef, state, tokens, block_ids):
+    return nnx.merge(graphdef, state)(tokens, block_ids=block_ids)
+
+
+def d2f(model, prompt, *, gen_length, block_length, block_add_threshold=0.1,
+        decoded_token_threshold=0.95, skip_threshold=0.9):
+    """D2F's pipelined decoding, greedy (the public D2F-eval ``_generate_block_single``).
+
+    The canvas grows by one all-mask block at a time. Each step is one full forward over
+    the canvas so far with block-causal attention (the prompt block 0, generated block i
+    block i + 1): a block's K/V depend only on it and earlier blocks, so this equals the
+    public code's computation against the cache of finished blocks. Positions of blocks
+    never added (after an end-of-text) are returned as end-of-text.
+    """
+    cfg = model.cfg
+    mask, eos, B = cfg.mask_token_id, cfg.eos_token_id, block_length
+    P, nb = len(prompt), gen_length // block_length
+    x = np.array(prompt, np.int64)
+    blocks: list[dict] = []  # per added block: state, complete
+    r = runner(model)
+    margins = _Margins()
+    commit_step = np.full(gen_length, -1, np.int64)
+    commits_per_step: list[int] = []
+    eos_seen, steps = False, 0
+
+    def frac(i):  # decoded fraction of generated block i (the prompt, i = -1, is done)
+        if i < 0:
+            return 1.0
+        return float(np.sum(x[P + i * B: P + (i + 1) * B] != mask)) / B
+
+    while True:
+        if len(blocks) < nb and not eos_seen and frac(len(blocks) - 1) >= block_add_threshold:
+            blocks.append({"state": "active", "complete": False})
+            x = np.concatenate([x, np.full(B, mask, np.int64)])
+        for i, blk in enumerate(blocks):
+            if frac(i - 1) >= decoded_token_threshold:
+                blk["complete"] = True
+        if not any(b["state"] == "active" for b in blocks):
+            break
+        ids = np.concatenate([np.zeros(P, np.int64), np.repeat(np.arange(1, len(blocks) + 1), B)])
+        logits = np.asarray(_full_blocks(r.graphdef, r.state, jnp.asarray(x, jnp.int32)[None],
+                                         jnp.asarray(ids, jnp.int32)[None])[0])
+        if cfg.logit_shift:
+            logits = shift_logits(logits)
+        for blk in blocks:
+            if blk["state"] == "to_cache":
+                blk["state"] = "in_cache"
+        finished, n_commit = [], 0
+        for i, blk in enumerate(blocks):
+            if blk["state"] != "active":
+                continue
+            cols = P + i * B + np.flatnonzero(x[P + i * B: P + (i + 1) * B] == mask)
+            if len(cols):
+                p = softmax(logits[cols], np.float32)
+                conf, x0 = p.max(axis=-1), p.argmax(axis=-1)
+                margins.argmax_gap(logits[cols])
+                for c in conf:
+                    margins.conf_gap(c - skip_threshold)
+                sel = np.flatnonzero(conf > skip_threshold)
+                if blk["complete"] and not len(sel):
+                    sel = np.array([int(np.argmax(conf))])
+                    if len(conf) > 1:
+                        margins.conf_gap(np.sort(conf)[-1] - np.sort(conf)[-2])
+                x[cols[sel]] = x0[sel]
+                commit_step[cols[sel] - P] = steps
+                n_commit += len(sel)
+                eos_seen |= bool(np.any(x0[sel] == eos))
+            if not np.any(x[P + i * B: P + (i + 1) * B] == mask):
+                finished.append(i)
+        for i in finished:
+            if all(blocks[j]["state"] != "active" for j in range(i)):
+                blocks[i]["state"] = "to_cache"
+        commits_per_step.append(n_commit)
+        steps += 1
+    tokens = np.full(gen_length, eos, np.int64)
+    tokens[: len(x) - P] = x[P:]
+    return tokens, _info(0, steps, commit_step, commits_per_step, margins,
+                         blocks_added=len(blocks))

@@ -122,6 +122,7 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
         cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
         return jnp.where(plan.logits_at < Q, cols_at, T)
 
+    block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
     bound = schedule.key_bound(ctx)
     if bound is not None and bound >= T:
         bound = None
@@ -151,7 +152,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
             two = lambda a: jnp.concatenate([a, a], axis=0)
             both, _ = model.forward(jnp.concatenate([st.canvas, uncond], axis=0),
                                     two(positions), key_mask=two(keys),
-                                    logits_index=two(read))
+                                    logits_index=two(read),
+                                    block_ids=None if block_ids is None else two(block_ids))
             cond, unc = jnp.split(both, 2, axis=0)
             return unc + (cfg_scale + 1.0) * (cond - unc), st
         write = jnp.where(serve[:, None], cols[:, :n], T)  # only served rows' cache changes
@@ -159,7 +161,9 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
                                       cache=st.cache,
                                       write_index=write if use_cache else None,
                                       logits_index=read,
-                                      key_len=n if use_cache and n < T else None)
+                                      key_len=n if use_cache and n < T else None,
+                                      block_ids=None if block_ids is None else
+                                      block_ids[:, :n])
         return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
                                   tokens_processed=st.tokens_processed + n_live * n,
                                   row_full=st.row_full + serve)
@@ -177,7 +181,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
         def call(key_len):
             return lambda cache: model.forward(tokens_q, pos_q, key_mask=keys_of(plan),
                                                cache=cache, write_index=write,
-                                               logits_index=logits_at, key_len=key_len)
+                                               logits_index=logits_at, key_len=key_len,
+                                               block_ids=block_ids)
 
         small = bounded(plan, serve)
         if small is None:

@@ -188,6 +188,13 @@ class Schedule:
         del ctx
         return None
 
+    def attention_blocks(self, ctx: Context):
+        """[b, T] int block id of every canvas column for block-causal attention (a
+        query attends only to keys whose block id is <= its own), in every call of the
+        decode; None (the default): bidirectional attention."""
+        del ctx
+        return None
+
     def first_plan(self, ctx: Context, canvas, state, live) -> Plan | None:
         """An optional first call, made once before the loop, whose query count may
         differ from `plan`'s (e.g. a cached call over a prefix of the canvas instead of a

@@ -45,6 +45,10 @@ class ModelConfig:
       max_seq_len: longest canvas (prompt + generation) the model accepts.
       dtype: activation / compute dtype.
       param_dtype: parameter storage dtype.
+      block_causal: trained with block-causal attention (a D2F student): the prompt is
+        bidirectional and each generated block sees the prompt, earlier blocks and
+        itself, so a finished block's K/V never change. The model's forward attends
+        as it is told (`block_ids`); this says what the weights were trained for.
     """
 
     family: str
@@ -67,6 +71,7 @@ class ModelConfig:
     max_seq_len: int = 4096
     dtype: str = "float32"
     param_dtype: str = "float32"
+    block_causal: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -91,6 +96,8 @@ class ModelConfig:
                 continue
             if not isinstance(value, int) or not 0 <= value < self.vocab_size:
                 raise ConfigError(f"{name}={value!r}: must be an id in [0, {self.vocab_size})")
+        if not isinstance(self.block_causal, bool):
+            raise ConfigError(f"block_causal={self.block_causal!r}: must be true or false")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {DTYPES}")

@@ -26,11 +26,16 @@ GEN = 96
 CASES = [("tiny-llada", "vanilla", {}), ("tiny-llada", "fast-dllm", {"cache": "dual"}),
          ("tiny-llada", "fast-dllm", {"cache": "prefix"}), ("tiny-llada", "localleap", {}),
          ("tiny-llada", "asynclane", {}), ("tiny-dream", "dream", {}),
-         ("tiny-dream", "fast-dllm", {"cache": "dual"}), ("tiny-dream", "asynclane", {})]
+         ("tiny-dream", "fast-dllm", {"cache": "dual"}), ("tiny-dream", "asynclane", {}),
+         ("tiny-llada", "d2f", {}), ("tiny-llada-block-causal", "d2f", {})]
 
 
 @functools.cache
 def shipped(name):
+    if name == "tiny-llada-block-causal":  # d2f's cached, block-causal path
+        model, tok, cfg = asynclane_jax.load("tiny-llada")
+        model.cfg = cfg = cfg.replace(block_causal=True)
+        return model, tok, cfg
     return asynclane_jax.load(name)
 
 
@@ -50,7 +55,8 @@ def test_sharded_tokens_equal_unsharded(name, sampler, options):
     model, tok, cfg = shipped(name)
     kw = dict(tokenizer=tok, sampler=sampler, gen_length=GEN, **options)
     base = generate(model, prompts(), **kw)
-    assert np.mean([tasks.check(p, t) for p, t in zip(tasks.heldout(4), base.text)]) > 0
+    if sampler != "d2f":  # the shipped models were not trained for d2f's attention
+        assert np.mean([tasks.check(p, t) for p, t in zip(tasks.heldout(4), base.text)]) > 0
     for mesh in MESHES:
         res = generate(model, prompts(), mesh=mesh, **kw)
         np.testing.assert_array_equal(res.tokens, base.tokens, err_msg=f"mesh {mesh}")
