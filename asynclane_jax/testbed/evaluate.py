@@ -19,7 +19,50 @@ from asynclane_jax.testbed import tasks
 from asynclane_jax.testbed import tokenizer as tok
 from asynclane_jax.testbed.tasks import check, line_accuracy
 
-__all__ = ["evaluate", "check", "line_accuracy", "prompts_for"]
+__all__ = ["evaluate", "check", "line_accuracy", "prompts_for", "SpeedTally"]
+
+
+class SpeedTally:
+    """Speed figures summed over `generate` calls: what `evaluate` reports, and what
+    the lm-eval model (asynclane_jax.harness) reports beside the scores.
+
+    `figures()`: tps, generated tokens (before the first EOS) per second of decoding
+    wall time (compilation excluded; reported as compile_s); nfe_per_token, model calls
+    serving a row (full + cached) per generated token; nfe_per_row, model calls per row;
+    generated_tokens_per_row; wall_s; compile_s.
+    """
+
+    def __init__(self):
+        self.rows = self.gen_tokens = self.row_nfe = 0
+        self.wall = self.compile_s = 0.0
+
+    def add(self, stats) -> None:
+        """Adds one GenerationResult's stats (its real rows)."""
+        self.wall += stats.decode_time
+        self.compile_s += stats.compile_time
+        self.rows += len(stats["generated_tokens"])
+        self.gen_tokens += int(np.sum(stats["generated_tokens"]))
+        self.row_nfe += int(np.sum(np.asarray(stats["row_nfe_full"])
+                                   + np.asarray(stats["row_nfe_partial"])))
+
+    def merge(self, other: SpeedTally) -> SpeedTally:
+        """Adds another tally's counts to this one; returns self."""
+        self.rows += other.rows
+        self.gen_tokens += other.gen_tokens
+        self.row_nfe += other.row_nfe
+        self.wall += other.wall
+        self.compile_s += other.compile_s
+        return self
+
+    def figures(self) -> dict:
+        return {
+            "tps": self.gen_tokens / self.wall if self.wall else 0.0,
+            "nfe_per_token": self.row_nfe / max(1, self.gen_tokens),
+            "nfe_per_row": self.row_nfe / max(1, self.rows),
+            "generated_tokens_per_row": self.gen_tokens / max(1, self.rows),
+            "wall_s": self.wall,
+            "compile_s": self.compile_s,
+        }
 
 
 def prompts_for(problems, tokenizer=None) -> list[list[int]]:
@@ -63,8 +106,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
     ok: list[bool] = []
     lines_right = lines_total = 0
-    gen_tokens = row_nfe = 0
-    wall = compile_s = 0.0
+    speed = SpeedTally()
     batches = range(0, n, batch_size)
     if progress:
         from tqdm import tqdm
@@ -76,11 +118,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
         res = generate(model, prompts[start:start + batch_size], sampler=sampler,
                        gen_length=gen_length, block_length=block_length, bucket=bucket,
                        tokenizer=tokenizer or tok.hf_tokenizer(), **sampler_options)
-        st = res.stats
-        wall += st.decode_time
-        compile_s += st.compile_time
-        gen_tokens += int(np.sum(st["generated_tokens"]))
-        row_nfe += int(np.sum(np.asarray(st["row_nfe_full"]) + np.asarray(st["row_nfe_partial"])))
+        speed.add(res.stats)
         for p, row in zip(chunk, res.tokens):
             ok.append(check(p, row))
             r, t = line_accuracy(p, row)
@@ -92,12 +130,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
             "options": sampler_options, "split": split, "n": done,
             "correct": int(sum(ok)), "accuracy": float(np.mean(ok)),
             "line_accuracy": lines_right / max(1, lines_total),
-            "tps": gen_tokens / wall if wall else 0.0,
-            "nfe_per_token": row_nfe / max(1, gen_tokens),
-            "nfe_per_row": row_nfe / max(1, done),
-            "generated_tokens_per_row": gen_tokens / max(1, done),
-            "wall_s": wall,
-            "compile_s": compile_s,
+            **speed.figures(),
         }
         for fam in tasks.FAMILIES:
             sel = [o for o, p in zip(ok, problems[:done]) if p.family == fam]

@@ -1,0 +1,201 @@
+"""One check of a machine with an accelerator: a random LLaDA-8B in bfloat16 (nothing is
+downloaded), timed.
+
+  1. one full forward over T = 1024 tokens (batch 1);
+  2. one cached call of 32 queries against a K/V cache of those 1024 positions;
+  3. one generation of 512 tokens with every sampler that applies to LLaDA (every
+     registered one but Dream's own; Fast-dLLM and LocalLeap with the dual cache), from
+     a 64-token prompt: tokens/s, model calls.
+
+Each program is compiled first (compile seconds reported apart) and then timed; the
+forwards report the median of 3 runs. Generation tokens/s counts tokens before the
+first end-of-text (`stats.generated_tokens`, as every benchmark here does); a random
+model may write an end-of-text early, so the canvas rate (gen_length / decode seconds)
+is given too. A time budget (default 420 s) skips the samplers left when it runs out,
+so that the whole check ends within 8 minutes; they are listed as skipped.
+
+The last line printed is one JSON object with everything measured.
+
+Usage: experiments/gpu_check.sh [--preset llada-8b-instruct] [--length 1024]
+       [--gen-length 512] [--samplers a,b] [--budget-s 420]
+  CPU smoke run: experiments/gpu_check.sh --preset tiny-llada-test --length 64 --gen-length 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# Samplers that belong to one family only.
+FAMILY_ONLY = {"dream": "dream"}
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def timed(fn, *args, repeats: int = 3) -> tuple[float, float]:
+    """(seconds of the first call, which compiles; median seconds of `repeats` more)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def build_model(preset_name: str, seed: int = 0):
+    """The preset's random model in bfloat16, initialised on the default device inside
+    one jitted program (no host copy of the weights)."""
+    from asynclane_jax.models import DiffusionLM, preset
+
+    cfg = preset(preset_name).replace(dtype="bfloat16", param_dtype="bfloat16")
+
+    @nnx.jit
+    def init():
+        return DiffusionLM(cfg, rngs=nnx.Rngs(seed))
+
+    model = init()
+    jax.block_until_ready(nnx.state(model))
+    return model, cfg
+
+
+def ordinary_ids(cfg) -> int:
+    """Token ids below this one are ordinary text (no mask, end-of-text or padding)."""
+    specials = [cfg.mask_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.eot_token_id]
+    return min(i for i in specials if i is not None)
+
+
+def forward_checks(model, cfg, length: int, queries: int) -> dict:
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, ordinary_ids(cfg), (1, length)), jnp.int32)
+
+    @jax.jit
+    def full(params, tokens):
+        m = nnx.merge(graphdef, params)
+        return m(tokens)
+
+    @jax.jit
+    def prefill(params, tokens):
+        return nnx.merge(graphdef, params)(tokens, return_kv=True)[1]
+
+    @jax.jit
+    def cached(params, q_tokens, positions, write_index, cache):
+        m = nnx.merge(graphdef, params)
+        return m.forward_cached(q_tokens, positions, write_index, cache)[0]
+
+    first, full_s = timed(full, params, tokens)
+    out = {"full_forward": {"tokens": length, "compile_and_run_s": round(first, 3),
+                            "s": round(full_s, 4),
+                            "tokens_per_s": round(length / full_s, 1)}}
+    cache = jax.block_until_ready(prefill(params, tokens))
+    start = length - queries
+    cols = jnp.arange(start, length, dtype=jnp.int32)[None]
+    first, cached_s = timed(cached, params, tokens[:, start:], cols, cols, cache)
+    out["cached_call"] = {"queries": queries, "cache_positions": length,
+                          "compile_and_run_s": round(first, 3), "s": round(cached_s, 4),
+                          "speedup_vs_full": round(full_s / cached_s, 2)}
+    return out
+
+
+def sampler_options(name: str, cfg) -> dict:
+    """Each sampler at its defaults, but Fast-dLLM and LocalLeap with the dual cache of
+    their published speed; a random model has no tokenizer, so AsyncLane forks at a
+    fixed token id instead of the tokenizer's newline tokens."""
+    if name == "asynclane":
+        return {"delimiters": str(min(198, ordinary_ids(cfg) - 1))}
+    if name in ("fast-dllm", "localleap"):
+        return {"cache": "dual"}
+    return {}
+
+
+def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
+                      deadline: float) -> tuple[dict, list[str]]:
+    from asynclane_jax.decoding import generate
+
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
+    rows, skipped = {}, []
+    for name in samplers:
+        if time.perf_counter() > deadline:
+            skipped.append(name)
+            log(f"{name}: skipped (time budget spent)")
+            continue
+        opts = sampler_options(name, cfg)
+        t0 = time.perf_counter()
+        try:
+            res = generate(model, [prompt], sampler=name, gen_length=gen_length, **opts)
+        except Exception as e:  # one sampler failing must not hide the others
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            log(f"{name}: error {rows[name]['error']}")
+            continue
+        st = res.stats
+        n = int(st.generated_tokens[0])
+        rows[name] = {
+            "options": opts, "gen_length": gen_length, "generated_tokens": n,
+            "decode_s": round(st.decode_time, 3), "compile_s": round(st.compile_time, 1),
+            "tokens_per_s": round(n / st.decode_time, 1) if st.decode_time else None,
+            "canvas_tokens_per_s": round(gen_length / st.decode_time, 1),
+            "model_calls": st.nfe, "full_calls": st.nfe_full, "cached_calls": st.nfe_partial,
+            "calls_per_token": round(st.nfe / max(1, n), 3), "steps": st.steps,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+        log(f"{name}: {json.dumps(rows[name])}")
+    return rows, skipped
+
+
+def main(argv=None) -> int:
+    from asynclane_jax.decoding import registry
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="llada-8b-instruct")
+    ap.add_argument("--length", type=int, default=1024, help="tokens of the full forward")
+    ap.add_argument("--queries", type=int, default=32, help="queries of the cached call")
+    ap.add_argument("--gen-length", type=int, default=512)
+    ap.add_argument("--prompt-length", type=int, default=64)
+    ap.add_argument("--samplers", default=None, help="comma-separated (default: all that "
+                                                     "apply to the preset's family)")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="no new sampler starts after this many seconds")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    report = {"preset": args.preset, "backend": jax.default_backend(),
+              "device": getattr(dev, "device_kind", str(dev)), "devices": jax.device_count(),
+              "jax": jax.__version__, "machine": platform.node()}
+    log(f"{report['backend']} {report['device']}: building a random {args.preset} "
+        "in bfloat16")
+    t0 = time.perf_counter()
+    model, cfg = build_model(args.preset)
+    report["build_s"] = round(time.perf_counter() - t0, 1)
+    report["params_gib"] = round(sum(x.size * x.dtype.itemsize for x in
+                                     jax.tree.leaves(nnx.state(model))) / 2**30, 2)
+    log(f"built in {report['build_s']} s ({report['params_gib']} GiB)")
+    report.update(forward_checks(model, cfg, args.length, args.queries))
+    log(f"full forward {report['full_forward']}; cached call {report['cached_call']}")
+    if args.samplers:
+        samplers = [s.strip() for s in args.samplers.split(",") if s.strip()]
+    else:
+        samplers = [s for s in registry() if FAMILY_ONLY.get(s, cfg.family) == cfg.family]
+    report["generation"], report["skipped"] = generation_checks(
+        model, cfg, samplers, args.gen_length, args.prompt_length,
+        deadline=t_start + args.budget_s)
+    report["total_s"] = round(time.perf_counter() - t_start, 1)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
