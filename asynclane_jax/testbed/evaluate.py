@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -88,7 +89,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
       split: "heldout" (never trained on) or "train".
       batch_size: prompts per generate call.
       block_length: passed to generate (None: the sampler's default).
-      progress: show a tqdm bar.
+      progress: a tqdm bar on stderr (problems done, accuracy and tokens/s so far).
       on_batch: optional callback(partial_result_dict) after each batch.
       **sampler_options: the sampler's options (steps, threshold, ...).
     Returns:
@@ -108,10 +109,12 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     lines_right = lines_total = 0
     speed = SpeedTally()
     batches = range(0, n, batch_size)
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        batches = tqdm(batches, unit="batch")
+        bar = tqdm(total=n, desc=f"eval ({sampler})", unit="problem", file=sys.stderr,
+                   dynamic_ncols=True)
     result: dict = {}
     for start in batches:
         chunk = problems[start:start + batch_size]
@@ -137,8 +140,14 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
             if sel:
                 result[f"accuracy_{fam}"] = float(np.mean(sel))
                 result[f"n_{fam}"] = len(sel)
+        if bar is not None:
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"accuracy {result['accuracy']:.3f}, "
+                                f"{result['tps']:.1f} tok/s")
         if on_batch is not None:
             on_batch(result)
+    if bar is not None:
+        bar.close()
     return result
 
 
