@@ -9,6 +9,8 @@ parses (0.8, true) and as a string otherwise. A value may list alternatives with
 the fastest one (highest tokens/s), with the options it used. `fast-dllm` and
 `localleap` take `cache=prefix|dual` when the spec names no cache (their best setting:
 the faster of prefix and dual cache, their other options at their defaults).
+`SPEC@MODEL` runs that spec on another model of the same vocabulary, e.g.
+`d2f@tiny-llada-d2f`: D2F on its block-causal student beside the samplers on --model.
 
 Measurement. All runs share one prompt bucket (the longest prompt), so each program
 compiles once. Per generation length, every variant is first compiled by one call on the
@@ -68,6 +70,15 @@ def default_specs() -> list[str]:
     from asynclane_jax.decoding.schedule import registry
 
     return [s for s in DEFAULT_SAMPLERS if s.split(":")[0] in registry()]
+
+
+def split_model(spec: str) -> tuple[str, str | None]:
+    """`SPEC@MODEL` -> (SPEC, MODEL): the variant runs on another model (e.g. d2f on
+    the D2F student `d2f@tiny-llada-d2f`); plain SPEC -> (SPEC, None)."""
+    base, at, other = spec.partition("@")
+    if at and not other.strip():
+        raise UsageError(f"sampler spec {spec!r}: no model name after '@'")
+    return base, (other.strip() or None)
 
 
 def parse_spec(spec: str) -> tuple[str, list[dict]]:
@@ -145,7 +156,7 @@ def validate(specs, gen_lengths) -> list[tuple[str, str, list[dict]]]:
             raise UsageError(f"gen length {g}: must be a positive number of tokens")
     parsed = []
     for spec in specs:
-        name, variants = parse_spec(spec)
+        name, variants = parse_spec(split_model(spec)[0])
         for opts in variants:
             _check_types(name, opts)
             for g in gen_lengths:
@@ -190,7 +201,8 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     for g in {r["gen_length"] for r in rows}:
         same = [r for r in rows if r["gen_length"] == g]
         early = [r["tps"] for r in same if r["options"].get("early_stop") is True]
-        base = [r["tps"] for r in same if parse_spec(r["sampler"])[0] != NEW_SAMPLER
+        base = [r["tps"] for r in same
+                if parse_spec(split_model(r["sampler"])[0])[0] != NEW_SAMPLER
                 and r["options"].get("early_stop") is not True]
         best_base = max(base, default=0.0)
         best_early = max(early, default=0.0)
@@ -238,6 +250,16 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
         raise UsageError(f"gen length(s) {too_long} do not fit the model: prompts of "
                          f"{bucket} tokens + gen length > max_seq_len {cfg.max_seq_len}")
     model_name = model_name or cfg.family
+    models = {None: model}  # a spec's own model (SPEC@MODEL), loaded once
+    for spec, _, _ in parsed:
+        other = split_model(spec)[1]
+        if other is not None and other not in models:
+            import asynclane_jax
+
+            models[other] = asynclane_jax.load(other)[0]
+            if models[other].cfg.vocab_size != cfg.vocab_size:
+                raise UsageError(f"{spec}: model {other} has another vocabulary than "
+                                 f"{model_name}")
     chunks = [range(s, min(s + batch, n)) for s in range(0, n, batch)]
     runs = [(spec, name, opts) for spec, name, alts in parsed for opts in alts]
     bar = None
@@ -255,7 +277,8 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
                 spec, name, opts = runs[i]
                 if bar is not None:
                     bar.set_description(f"{g} {spec} {opts}"[:60])
-                res = generate(model, [prompts[j] for j in chunk], sampler=name,
+                res = generate(models[split_model(spec)[1]], [prompts[j] for j in chunk],
+                               sampler=name,
                                gen_length=g, bucket=bucket, tokenizer=tokenizer, **opts)
                 accs[i].compile += res.stats.compile_time
                 if bar is not None:

@@ -7,6 +7,10 @@ Subcommands:
   generate  decode a prompt with a sampler
   eval      accuracy and speed of a sampler on the testbed's held-out problems
   bench     samplers side by side (accuracy, tokens/s) at several generation lengths
+  aot       compile the decode for a TPU slice without weights or a TPU (asynclane_jax.aot,
+            the tpu extra): per-chip memory and whether it fits
+  lm-eval   benchmarks through lm-evaluation-harness (asynclane_jax.harness, the eval
+            extra)
 
 Errors a user can cause are printed as one line on stderr with exit status 2; no
 traceback.

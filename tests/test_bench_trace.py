@@ -200,3 +200,13 @@ def test_cli_generate_trace(tmp_path, capsys):
                str(G), "--trace", str(png)])
     assert rc == 0 and _png(png)
     assert "decode order drawn" in capsys.readouterr().err
+
+
+def test_spec_on_another_model():
+    assert bench.split_model("d2f:skip_threshold=0.8@tiny-llada-d2f") == (
+        "d2f:skip_threshold=0.8", "tiny-llada-d2f")
+    assert bench.split_model("fast-dllm") == ("fast-dllm", None)
+    with pytest.raises(UsageError, match="no model name"):
+        bench.split_model("d2f@")
+    # Validation sees through the model part.
+    assert bench.validate(["d2f:skip_threshold=0.8@tiny-llada-d2f"], [64])[0][1] == "d2f"
