@@ -19,7 +19,6 @@ import tempfile
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -150,7 +149,11 @@ def save_params(params_dir: pathlib.Path, params: dict) -> None:
     orbax's defaults deep-copy host arrays before an asynchronous write and compress
     every array in memory; either doubles the peak memory for a model-sized dict. The
     write here is synchronous, so the arrays are written in place, uncompressed (bf16
-    weights barely compress anyway). `load_model` reads the result.
+    weights barely compress anyway). orbax also splits any array over its OCDBT target
+    file size (2 GiB: a float32 output head) into chunks across its largest axis, which
+    tensorstore can only fill by copying the whole array first; with no target size
+    every array is one chunk, written from the array itself. `load_model` reads the
+    result.
     """
     import orbax.checkpoint as ocp
 
@@ -160,7 +163,8 @@ def save_params(params_dir: pathlib.Path, params: dict) -> None:
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry,
                                           use_compression=False)
     with ocp.Checkpointer(handler) as ckptr:
-        ckptr.save(params_dir.absolute(), args=ocp.args.PyTreeSave(_str_keys(params)))
+        ckptr.save(params_dir.absolute(), args=ocp.args.PyTreeSave(
+            _str_keys(params), ocdbt_target_data_file_size=0))
 
 
 def save(folder: str | os.PathLike, model: DiffusionLM, *, hf_config: dict | None = None,
@@ -220,26 +224,189 @@ def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_dict(data["model"]), data
 
 
-def load_model(folder: str | os.PathLike, *, dtype: str | None = None) -> DiffusionLM:
-    """Loads the model of a converted folder (or shipped name)."""
-    import orbax.checkpoint as ocp
+def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
+               mesh=None) -> DiffusionLM:
+    """Loads the model of a converted folder (or shipped name).
 
+    Each parameter is read straight into its final place, one tensor (or a few small
+    ones) in flight at a time: the host holds the parameters already placed plus about
+    the largest tensor, never a second whole copy.
+
+    Args:
+      folder: a converted folder or a shipped model name.
+      dtype: override the stored compute/param dtype ("float32", "bfloat16"); each
+        tensor is cast on the host as it is read.
+      mesh: place the parameters on a mesh: a `jax.sharding.Mesh` with the axes
+        `sharding.MESH_AXES`, or a spec such as "data=2,tensor=4" (see
+        `sharding.make_mesh`). Each parameter is then restored into its shards of
+        `sharding.plan_for(cfg, mesh)` (every host reads only the shards of its own
+        devices); None: everything on the default device.
+    Raises:
+      CheckpointError for a folder whose parameters do not match its config, and for a
+      mesh that cannot be used (wrong device count, axes other than data/fsdp/tensor).
+    """
     folder = resolve(folder)
     cfg, _ = read_config(folder)
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
-    abstract = abstract_model(cfg)
-    graphdef, abs_state = nnx.split(abstract)
+    graphdef, abs_state = nnx.split(abstract_model(cfg))
     template = nnx.to_pure_dict(abs_state)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _str_keys(template))
-    with ocp.StandardCheckpointer() as ckptr:
-        try:
-            restored = ckptr.restore((folder / PARAMS_DIR).absolute(), target)
-        except Exception as e:  # orbax raises several types for bad checkpoints
-            raise CheckpointError(f"cannot read parameters in {folder / PARAMS_DIR}: {e}") from e
-    restored = jax.tree.map(lambda a, t: jnp.asarray(a, t.dtype), restored, target)
+    shardings = _str_keys(nnx.to_pure_dict(_param_shardings(cfg, abs_state, mesh)))
+    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          _str_keys(template), shardings)
+    restored = restore_params(folder / PARAMS_DIR, target)
     nnx.replace_by_pure_dict(abs_state, _restore_keys(restored, template))
     return nnx.merge(graphdef, abs_state)
+
+
+def _param_shardings(cfg: ModelConfig, abs_state: nnx.State, mesh) -> nnx.State:
+    """The sharding of every parameter: the plan's on a mesh, else the default device."""
+    if mesh is None:
+        single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda v: v.replace(single), abs_state,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+    from asynclane_jax import sharding
+
+    if isinstance(mesh, jax.sharding.Mesh):
+        missing = [a for a in sharding.MESH_AXES if a not in mesh.axis_names]
+        if missing:
+            raise CheckpointError(
+                f"mesh {dict(mesh.shape)}: the parameters are placed by axis names "
+                f"{', '.join(sharding.MESH_AXES)}; this mesh lacks {', '.join(missing)} "
+                "(build it with sharding.make_mesh, or name its axes so)")
+    elif not isinstance(mesh, str):
+        raise CheckpointError(f"mesh {mesh!r}: expected a jax.sharding.Mesh or a spec "
+                              "such as 'data=2,tensor=4'")
+    try:
+        plan = sharding.plan_for(cfg, mesh)
+        return plan.param_shardings(abs_state)
+    except ValueError as e:  # ShardingError and friends: name the model and the mesh
+        shown = mesh if isinstance(mesh, str) else dict(mesh.shape)
+        raise CheckpointError(f"cannot load {cfg.family} ({cfg.n_heads} heads, vocabulary "
+                              f"{cfg.vocab_size}) on mesh {shown!r}: {e}") from e
+
+
+def restore_params(params_dir: pathlib.Path, target: dict) -> dict:
+    """Restores an orbax checkpoint of arrays into `target`'s shapes, dtypes, shardings.
+
+    Args:
+      params_dir: the checkpoint (a converted folder's params/).
+      target: nested dict of jax.ShapeDtypeStruct with a sharding each (string keys).
+    Returns:
+      The nested dict of jax.Arrays.
+
+    Targets each on one device are read one array at a time by `_restore_one_device`.
+    Others (shardings on a mesh) go through orbax's restore, which reads on each host
+    only the shards of its devices; orbax reads every array at once by default (host
+    buffers for the whole model alive together with their device copies), so the bytes
+    in flight are limited here to about the largest array (orbax's restore byte limiter,
+    sized from the checkpoint's own metadata). Either way a dtype cast happens in the
+    read, per array, on the host. Figures: experiments/results/load_memory.md.
+    """
+    import orbax.checkpoint as ocp
+
+    path = params_dir.absolute()
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+            stored = ckptr.metadata(path).item_metadata.tree
+    except Exception as e:  # orbax raises several types for bad checkpoints
+        raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
+    flat_stored, flat_target = _flat(stored), _flat(target)
+    _check_shapes(params_dir, flat_stored, flat_target)
+    if all(isinstance(t.sharding, jax.sharding.SingleDeviceSharding)
+           for t in flat_target.values()):
+        return _restore_one_device(params_dir, target)
+    in_flight = max(_read_bytes(flat_stored[k], t) for k, t in flat_target.items()) + 1
+    restore_args = jax.tree.map(
+        lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
+                                       dtype=t.dtype), target)
+    handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=in_flight / 10**9)
+    with ocp.Checkpointer(handler) as ckptr:
+        try:
+            return ckptr.restore(path, args=ocp.args.PyTreeRestore(
+                item=target, restore_args=restore_args))
+        except Exception as e:
+            raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
+
+
+def _aligned_empty(shape: tuple, dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an `align`-byte boundary: what the
+    CPU backend needs to adopt a host buffer without copying it."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _restore_one_device(params_dir: pathlib.Path, target: dict) -> dict:
+    """Reads the arrays one at a time onto their (single) devices.
+
+    orbax's restore reads each array into a fresh numpy buffer beside tensorstore's own
+    read buffer, then copies it to the device: three copies of the array being read.
+    Here tensorstore fills a 64-byte-aligned buffer (casting to the target dtype as it
+    reads), which `jax.device_put` adopts without copying on the CPU backend and copies
+    once elsewhere; the buffer is dropped before the next array is read. The host holds
+    the arrays already placed plus about two of the array in flight at most.
+    """
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+
+    path = params_dir.absolute()
+    try:
+        meta = json.loads((path / "_METADATA").read_text())
+        use_ocdbt = bool(meta.get("use_ocdbt", True))
+        use_zarr3 = bool(meta.get("use_zarr3", False))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
+    context = ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
+
+    def read(keys: tuple, t: jax.ShapeDtypeStruct) -> jax.Array:
+        name = ".".join(str(getattr(k, "key", k)) for k in keys)
+        info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(path),
+                                           is_ocdbt_checkpoint=use_ocdbt,
+                                           use_zarr3=use_zarr3, ts_context=context)
+        spec = ts_utils.build_array_read_spec(info, use_ocdbt=use_ocdbt,
+                                              target_dtype=t.dtype).json
+        try:
+            store = ts.open(ts.Spec(spec), open=True, read=True, context=context).result()
+            out = _aligned_empty(tuple(store.shape), t.dtype)
+            ts.array(out).write(store).result()
+        except Exception as e:  # tensorstore's errors for missing / corrupt data
+            raise CheckpointError(f"cannot read parameter {name} in {params_dir}: "
+                                  f"{e}") from e
+        del store
+        return jax.device_put(out, t.sharding).block_until_ready()
+
+    return jax.tree_util.tree_map_with_path(read, target)
+
+
+def _read_bytes(meta, target) -> int:
+    """What orbax reserves to read one array: the stored chunks covering it, whole, in
+    the dtype it is read as (the target's: tensorstore casts while reading)."""
+    shape = tuple(meta.shape)
+    chunks = getattr(getattr(meta, "storage", None), "chunk_shape", None) or shape
+    n = 1
+    for dim, chunk in zip(shape, chunks, strict=True):
+        n *= -(-dim // max(chunk, 1)) * max(chunk, 1)
+    return n * max(np.dtype(meta.dtype).itemsize, np.dtype(target.dtype).itemsize)
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_shapes(params_dir: pathlib.Path, flat_stored: dict, flat_target: dict) -> None:
+    missing = sorted(set(flat_target) - set(flat_stored))
+    wrong = [f"{k}: stored {tuple(flat_stored[k].shape)}, model {tuple(t.shape)}"
+             for k, t in flat_target.items()
+             if k in flat_stored and tuple(flat_stored[k].shape) != tuple(t.shape)]
+    if missing or wrong:
+        parts = ([f"missing {', '.join(missing[:8])}"] if missing else []) + wrong[:8]
+        raise CheckpointError(f"parameters in {params_dir} do not match the config: "
+                              + "; ".join(parts))
 
 
 def load_tokenizer(folder: str | os.PathLike):
@@ -269,16 +436,19 @@ def load_tokenizer(folder: str | os.PathLike):
     return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **kwargs)
 
 
-def load(path_or_name: str | os.PathLike, *, dtype: str | None = None):
+def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None):
     """Loads a converted folder or shipped model.
 
     Args:
       path_or_name: a folder written by `asynclane-jax convert` / `save`, or a shipped
         model name such as "tiny-llada".
       dtype: override the stored compute/param dtype ("float32", "bfloat16").
+      mesh: a `jax.sharding.Mesh` or a spec such as "data=2,tensor=4": each parameter
+        is restored straight into its shards (`sharding.plan_for`), so no host holds
+        the whole model; `generate` then runs on that mesh. None: one device.
     Returns:
       (model, tokenizer or None, ModelConfig).
     """
     folder = resolve(path_or_name)
-    model = load_model(folder, dtype=dtype)
+    model = load_model(folder, dtype=dtype, mesh=mesh)
     return model, load_tokenizer(folder), model.cfg

@@ -4,9 +4,13 @@ The conversion is planned before it starts (config parsed, every shard header re
 the whole tensor listing checked against the name table, the LoRA adapter checked
 against the base) so that bad input fails fast and writes nothing. It then streams:
 tensors are read shard by shard, one at a time, merged with their LoRA pair if any,
-transposed and cast into the output dtype, and kept only in that form; peak memory is
-about the output size plus one tensor. Output goes to a temporary folder beside DST
-that is renamed into place at the end, so an interrupted run leaves no DST.
+transposed and cast into the output dtype, and kept only in that form. A safetensors
+tensor is read a block of rows at a time straight into its transposed output, so it
+never exists in its source layout; the orbax write adds nothing (see
+`checkpoint.save_params`). Peak memory is about the output size plus a block (plus one
+tensor for a LoRA-merged or `.bin` source); measured in experiments/results/
+load_memory.md. Output goes to a temporary folder beside DST that is renamed into place
+at the end, so an interrupted run leaves no DST.
 """
 
 from __future__ import annotations
@@ -66,11 +70,37 @@ class ConvertResult:
                 f"in {self.seconds:.1f} s")
 
 
+# Rows of a source tensor read at a time when converting from safetensors: the tensor
+# is never in memory in its source layout, only this much of it.
+BLOCK_BYTES = 64 * 2**20
+
+
 def to_output(array: np.ndarray, assignment: Assignment, dtype: np.dtype) -> np.ndarray:
     """Source layout -> parameter layout, C-contiguous, in the output dtype (one copy)."""
     if assignment.transform == "transpose":
         array = array.T
     return np.array(array, dtype=dtype, order="C")
+
+
+def read_output(source: reader.TensorSource, assignment: Assignment, dtype: np.dtype,
+                block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+    """One source tensor in parameter layout and the output dtype, filled a block of
+    source rows at a time: besides the result, only one block is in memory."""
+    info = source.info
+    if len(info.shape) < 1 or info.shape[0] == 0:
+        return to_output(source.read(), assignment, dtype)
+    transpose = assignment.transform == "transpose"
+    out = np.empty(info.shape[::-1] if transpose else info.shape, dtype)
+    rows = info.shape[0]
+    step = max(1, block_bytes // max(1, info.nbytes // rows))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        block = source.rows(start, stop)
+        if transpose:
+            out[:, start:stop] = block.T
+        else:
+            out[start:stop] = block
+    return out
 
 
 def _set(tree: dict, path: tuple, value) -> None:
@@ -202,13 +232,14 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
         n_params = out_bytes = merged = 0
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
-            for info, array in snap.iter_tensors(assignments):
+            for info, source in snap.iter_sources(assignments):
                 a = assignments[info.name]
                 if adapter is not None and info.name in adapter.pairs:
-                    array = adapter.merge(info.name, array)
+                    out = to_output(adapter.merge(info.name, source.read()), a, out_dtype)
                     merged += 1
-                out = to_output(array, a, out_dtype)
-                del array
+                else:
+                    out = read_output(source, a, out_dtype)
+                del source
                 if out.shape != a.shape:  # plan() checked; guards a reader bug
                     raise ConvertError(f"{info.name} -> {path_str(a.target)}: shape {out.shape}")
                 _set(params, a.target, out)

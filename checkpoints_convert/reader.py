@@ -73,6 +73,12 @@ class Snapshot:
 
     def iter_tensors(self, names=None) -> Iterator[tuple[TensorInfo, np.ndarray]]:
         """Yields (info, array) shard by shard, one tensor in memory at a time."""
+        for info, source in self.iter_sources(names):
+            yield info, source.read()
+
+    def iter_sources(self, names=None) -> Iterator[tuple[TensorInfo, TensorSource]]:
+        """Yields (info, source) shard by shard: a source reads its tensor whole or a
+        block of rows at a time, and is valid until the next one is yielded."""
         wanted = set(self.tensors if names is None else names)
         for shard in self.shards:
             infos = [t for t in self.tensors.values() if t.shard == shard and t.name in wanted]
@@ -81,12 +87,29 @@ class Snapshot:
             if self.kind == "safetensors":
                 with open(shard, "rb") as f:
                     for info in sorted(infos, key=lambda t: t.offset):
-                        yield info, read_at(f, info)
+                        yield info, TensorSource(info, f)
             else:
                 state = torch_load(shard)
                 for info in infos:
-                    yield info, torch_to_numpy(state.pop(info.name))
+                    yield info, TensorSource(info, array=torch_to_numpy(state.pop(info.name)))
                 del state
+
+
+class TensorSource:
+    """One source tensor, read whole (`read`) or by blocks of rows (`rows`): from an
+    open safetensors shard without reading the rest, or from an array in memory."""
+
+    def __init__(self, info: TensorInfo, f=None, array: np.ndarray | None = None):
+        self.info, self._f, self._array = info, f, array
+
+    def read(self) -> np.ndarray:
+        return self._array if self._array is not None else read_at(self._f, self.info)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of the tensor (its first axis), in the stored dtype."""
+        if self._array is not None:
+            return self._array[start:stop]
+        return read_at(self._f, self.info, start, stop)
 
 
 # --------------------------------------------------------------------------- locating
@@ -297,23 +320,32 @@ def read_safetensors_header(path: pathlib.Path) -> list[TensorInfo]:
     return infos
 
 
-def read_at(f, info: TensorInfo) -> np.ndarray:
-    """Reads one safetensors tensor from an open binary file into a new array.
+def read_at(f, info: TensorInfo, start: int | None = None,
+            stop: int | None = None) -> np.ndarray:
+    """Reads one safetensors tensor, or rows start:stop of it, into a new array.
 
     Args:
       f: the shard `info.shard`, opened "rb".
       info: the tensor's listing (from `read_safetensors_header`).
+      start, stop: a range of the first axis (rows are contiguous in the file); None:
+        the whole tensor.
     Returns:
-      The array, in the stored dtype and shape.
+      The array, in the stored dtype and shape (rows start:stop only, if given).
     Raises:
       ConvertError if the file ends before the tensor does.
     """
-    out = np.empty(info.shape, info.dtype)
-    f.seek(info.offset)
+    shape = info.shape
+    offset = info.offset
+    if start is not None:
+        row = math.prod(shape[1:]) * info.dtype.itemsize
+        shape = (stop - start, *shape[1:])
+        offset += start * row
+    out = np.empty(shape, info.dtype)
+    f.seek(offset)
     got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
-    if got != info.nbytes:
+    if got != out.nbytes:
         raise ConvertError(f"shard {info.shard.name} is truncated: {info.name} is short by "
-                           f"{info.nbytes - got} bytes")
+                           f"{out.nbytes - got} bytes")
     return out
 
 

@@ -30,12 +30,15 @@ import numpy as np
 RESULTS = pathlib.Path(__file__).parent / "results" / "convert_memory.md"
 
 
-def llada_config(layers: int) -> dict:
+def llada_config(layers: int, *, d_model: int = 1024, n_heads: int = 8,
+                 mlp_hidden_size: int = 4096, vocab: int = 126464) -> dict:
+    """A LLaDA config.json (OLMo schema); the defaults are this script's small widths,
+    LLaDA-8B's are d_model 4096, 32 heads, mlp_hidden_size 12288."""
     return {
         "model_type": "llada", "architectures": ["LLaDAModelLM"],
         "auto_map": {"AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
-        "d_model": 1024, "n_layers": layers, "n_heads": 8, "n_kv_heads": 8,
-        "mlp_hidden_size": 4096, "embedding_size": 126464, "vocab_size": 126464,
+        "d_model": d_model, "n_layers": layers, "n_heads": n_heads, "n_kv_heads": n_heads,
+        "mlp_hidden_size": mlp_hidden_size, "embedding_size": vocab, "vocab_size": vocab,
         "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "include_qkv_bias": False,
         "weight_tying": False, "mask_token_id": 126336, "eos_token_id": 126081,
         "pad_token_id": 126081, "max_sequence_length": 4096, "activation_type": "silu",
@@ -44,23 +47,59 @@ def llada_config(layers: int) -> dict:
     }
 
 
+def dream_config(layers: int) -> dict:
+    """A Dream config.json (Qwen2 schema) at Dream-v0-7B's widths and vocabulary."""
+    return {
+        "model_type": "Dream", "architectures": ["DreamModel"],
+        "auto_map": {"AutoModel": "modeling_dream.DreamModel"},
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": layers,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+        "max_position_embeddings": 131072, "max_window_layers": layers,
+        "bos_token_id": 151643, "eos_token_id": 151643, "pad_token_id": 151643,
+        "mask_token_id": 151666, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False,
+        "sliding_window": None, "rope_scaling": None, "torch_dtype": "bfloat16",
+    }
+
+
 def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    d, m, v = c["d_model"], c["mlp_hidden_size"], c["embedding_size"]
-    out = {"model.transformer.wte.weight": (v, d)}
-    for i in range(c["n_layers"]):
-        b = f"model.transformer.blocks.{i}."
-        out.update({b + "attn_norm.weight": (d,), b + "q_proj.weight": (d, d),
-                    b + "k_proj.weight": (d, d), b + "v_proj.weight": (d, d),
-                    b + "attn_out.weight": (d, d), b + "ff_norm.weight": (d,),
-                    b + "ff_proj.weight": (m, d), b + "up_proj.weight": (m, d),
-                    b + "ff_out.weight": (d, m)})
-    out["model.transformer.ln_f.weight"] = (d,)
-    out["model.transformer.ff_out.weight"] = (v, d)
+    """Tensor name -> torch shape, in the order the published checkpoints store them
+    (embedding first, output head last)."""
+    if c["model_type"] == "llada":
+        d, m, v = c["d_model"], c["mlp_hidden_size"], c["embedding_size"]
+        out = {"model.transformer.wte.weight": (v, d)}
+        for i in range(c["n_layers"]):
+            b = f"model.transformer.blocks.{i}."
+            out.update({b + "attn_norm.weight": (d,), b + "q_proj.weight": (d, d),
+                        b + "k_proj.weight": (d, d), b + "v_proj.weight": (d, d),
+                        b + "attn_out.weight": (d, d), b + "ff_norm.weight": (d,),
+                        b + "ff_proj.weight": (m, d), b + "up_proj.weight": (m, d),
+                        b + "ff_out.weight": (d, m)})
+        out["model.transformer.ln_f.weight"] = (d,)
+        out["model.transformer.ff_out.weight"] = (v, d)
+        return out
+    d, m, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = d // c["num_attention_heads"] * c["num_key_value_heads"]
+    out = {"model.embed_tokens.weight": (v, d)}
+    for i in range(c["num_hidden_layers"]):
+        b = f"model.layers.{i}."
+        out.update({b + "input_layernorm.weight": (d,),
+                    b + "self_attn.q_proj.weight": (d, d), b + "self_attn.q_proj.bias": (d,),
+                    b + "self_attn.k_proj.weight": (kv, d), b + "self_attn.k_proj.bias": (kv,),
+                    b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.v_proj.bias": (kv,),
+                    b + "self_attn.o_proj.weight": (d, d),
+                    b + "post_attention_layernorm.weight": (d,),
+                    b + "mlp.gate_proj.weight": (m, d), b + "mlp.up_proj.weight": (m, d),
+                    b + "mlp.down_proj.weight": (d, m)})
+    out["model.norm.weight"] = (d,)
+    out["lm_head.weight"] = (v, d)
     return out
 
 
-def write_shard(path: pathlib.Path, shapes: dict[str, tuple[int, ...]], rng) -> None:
-    """A bfloat16 safetensors file written one tensor at a time."""
+def write_shard(path: pathlib.Path, shapes: dict[str, tuple[int, ...]], rng,
+                block: int = 2**24) -> None:
+    """A bfloat16 safetensors file written a block of at most `block` values at a time,
+    so that the writer never holds more than a few tens of MiB of it."""
     header, offset = {}, 0
     for name, shape in shapes.items():
         n = math.prod(shape) * 2
@@ -71,12 +110,25 @@ def write_shard(path: pathlib.Path, shapes: dict[str, tuple[int, ...]], rng) -> 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for shape in shapes.values():
-            x = (rng.standard_normal(shape, dtype=np.float32) * 0.02)
-            f.write((x.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+            left = math.prod(shape)
+            while left:
+                x = rng.standard_normal(min(left, block), dtype=np.float32) * 0.02
+                f.write((x.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+                left -= x.size
 
 
-def write_snapshot(folder: pathlib.Path, layers: int, shard_bytes: int = 400 * 2**20) -> int:
-    cfg = llada_config(layers)
+def write_snapshot(folder: pathlib.Path, layers: int | dict,
+                   shard_bytes: int = 400 * 2**20) -> int:
+    """A sharded bfloat16 safetensors snapshot with an index; returns its tensor bytes.
+
+    Args:
+      folder: created; must not exist.
+      layers: blocks of this script's small LLaDA shape, or a whole config.json dict
+        (`llada_config`, `dream_config`).
+      shard_bytes: tensors are grouped in file order into shards of about this size
+        (a tensor larger than it gets a shard of its own).
+    """
+    cfg = llada_config(layers) if isinstance(layers, int) else layers
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     shapes = tensor_shapes(cfg)
@@ -171,12 +223,14 @@ def main() -> int:
         f"| conversion time | {r['seconds']:.1f} s |",
         "",
         "Reading: above the import baseline the converter holds the converted parameters "
-        "(the output size) plus the tensor in flight (read buffer and its transposed copy, "
-        "at most about one largest tensor each); the orbax write adds nothing because it "
-        "writes the host arrays in place, uncompressed "
-        "(`asynclane_jax.checkpoint.save_params`). Loading the whole source "
+        "(the output size) plus a 64 MiB block of source rows being transposed into them "
+        "(`checkpoints_convert.convert.read_output`) and some fixed overhead; the orbax "
+        "write adds nothing because it writes the host arrays in place, uncompressed, one "
+        "chunk per array (`asynclane_jax.checkpoint.save_params`). Loading the whole source "
         "before converting, or orbax's default save (which deep-copies host arrays and "
-        "compresses in memory), would each add another model-sized copy.",
+        "compresses in memory), would each add another model-sized copy. The same "
+        "measurement at the real widths, LLaDA and Dream, bf16 and float32 output, is in "
+        "load_memory.md (`experiments/load_memory.py`).",
         "",
     ]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
