@@ -68,6 +68,10 @@ def _add_sampler_args(p) -> None:
                         + "; ".join(lines))
     p.add_argument("--gen-length", type=int, default=None, help="tokens to generate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default=None, metavar="SPEC",
+                   help="decode sharded over this device mesh, e.g. data=2,tensor=4 or "
+                        "tensor (every device on one axis); the model is loaded straight "
+                        "into its shards (see asynclane_jax.sharding)")
     group = p.add_argument_group("sampler options (each sampler accepts its own)")
     for name, opt in sampler_options().items():
         defaults = ", ".join(f"{s} {d}" for s, d in opt["defaults"].items())
@@ -120,7 +124,7 @@ def _cmd_generate(args) -> int:
         except ImportError:
             raise UsageError("--trace needs matplotlib: pip install 'asynclane-jax[plots]'") \
                 from None
-    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL)
+    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh)
     if tokenizer is None:
         raise UsageError(f"model {args.model} has no tokenizer; use the Python API with "
                          "token ids")
@@ -170,16 +174,30 @@ def _cmd_eval(args) -> int:
         raise UsageError(f"--n {args.n}: must be a positive number of problems")
     gen_length = _gen_length(args, 256)
     sampler, opts = _sampler_and_options(args)
-    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL)
+    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh)
     result = evaluate(model, tokenizer, sampler=sampler, gen_length=gen_length, n=args.n,
-                      progress=not args.json and sys.stderr.isatty(), **opts)
+                      progress=not args.quiet, **opts)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{sampler}: accuracy {result['accuracy']:.3f} on {result['n']} held-out "
-              f"problems, {result['tps']:.1f} tokens/s, {result['nfe_per_token']:.3f} model "
-              "calls per token")
+        _print_eval_table(result)
     return 0
+
+
+EVAL_TABLE_HEAD = ("sampler", "problems", "accuracy", "math", "code", "tokens/s",
+                   "calls/token", "decode s", "compile s")
+
+
+def _print_eval_table(result: dict) -> None:
+    """The summary of an `eval` run as a two-line table."""
+    cells = (result["sampler"], str(result["n"]), f"{100 * result['accuracy']:.1f}%",
+             *(f"{100 * result[f'accuracy_{f}']:.1f}%" if f"accuracy_{f}" in result else "-"
+               for f in ("math", "code")),
+             f"{result['tps']:.1f}", f"{result['nfe_per_token']:.3f}",
+             f"{result['wall_s']:.2f}", f"{result['compile_s']:.1f}")
+    widths = [max(len(h), len(c)) for h, c in zip(EVAL_TABLE_HEAD, cells)]
+    for line in (EVAL_TABLE_HEAD, cells):
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
 
 
 def register(sub) -> None:
@@ -199,5 +217,6 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help=f"default {DEFAULT_MODEL}")
     p.add_argument("--n", type=int, default=500, help="held-out problems")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_sampler_args(p)
     p.set_defaults(func=_cmd_eval)
