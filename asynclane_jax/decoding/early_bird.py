@@ -1,0 +1,353 @@
+"""Early-Bird decoding, EB-Decode (arXiv 2609.16450): a learned block size and a learned
+commit rule, as one schedule (sampler "eb").
+
+Every call is a full forward over the whole canvas (no cache, the paper's G=512, B=32
+setting); the schedule reads the logits of every generated position. Per row:
+
+  1. Block (LBS router, testbed/routers.py). When the row has no current block, or its
+     block has no masks left, the LBS router scores every generated position from this
+     call's logits (normalised entropy and top-1 token; a committed position enters as
+     entropy 0 and its token): p = sigmoid(O). Candidates are the masked positions with
+     p > lbs_threshold (0.5) whose top-1 is not end-of-text. Walking the masked
+     positions from the leftmost candidate, the block runs to the last candidate before
+     the first gap of more than g_max (5) masked non-candidates; committed positions
+     neither count as gap nor break the run. A block of fewer than l_min (8) masked
+     positions falls back to the first fallback_length (32) masked positions. The
+     block is chosen from this call's logits and decoded in the same call (no call is
+     spent on choosing), then kept until it has no masks left.
+  2. Commit (LPS router). Over the block's masked positions (attention restricted to
+     them) the LPS router reads five features (top-1 probability, normalised entropy,
+     top-1 minus top-2 probability, the block's masked share, relative place in the
+     block) and gives p_psi. A position commits its top-1 when its probability is at
+     least `threshold` (0.9) or p_psi > tau_psi (stored with the routers: chosen on a
+     validation split at <= 1% false positives); when none does, the most confident
+     one commits.
+  3. The row is done when no generated position is masked.
+
+Router weights inside one compiled program. The schedule needs no model parameters: the
+LBS router reads the top-1 token through the frozen base embedding and a Linear, and
+the two are folded into one [V, 64] table stored with the router. The weights (about
+0.3M numbers) become compile-time constants. A schedule is a frozen, hashable dataclass
+and part of the compiled program's key, so it does not hold the arrays: `bind` loads
+them, keeps them in a table keyed by a digest of their bytes, and stores the folder
+and the digest in the schedule (two strings: hashable, printable, JSON-ready); equal
+weights share compiled programs, different weights never do.
+
+Where the weights come from. `routers=FOLDER` (a model folder holding routers/, or the
+routers folder itself); by default the routers shipped beside the shipped model whose
+config is this model's (dtypes aside): `bind` gets the model config, not the folder,
+and no shipped model shares another's config, so `generate(model, prompts,
+sampler="eb")` needs no extra argument on tiny-llada and tiny-dream. A model of the
+same config but other weights would need its own routers (pass routers=).
+
+Ablation switches: lbs=false never runs the LBS router (every block is the fallback:
+blocks of fallback_length consecutive masked positions, i.e. threshold decoding without
+a cache); lps=false never runs the LPS router (commit at `threshold`, else the top-1).
+The router traces of testbed/routers.py are decoded with these switches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from asynclane_jax.decoding import ops
+from asynclane_jax.decoding.block import greedy_confidence, never_the_mask
+from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
+from asynclane_jax.decoding.stats import DecodeStats
+
+# Router weights bound by some schedule, by digest (see the module docstring).
+_WEIGHTS: dict = {}
+
+
+@dataclasses.dataclass
+class EarlyBirdStats(DecodeStats):
+    """DecodeStats plus, per row: row_blocks (blocks chosen) and row_fallbacks (blocks
+    that fell back to the first fallback_length masked positions)."""
+
+    row_blocks: np.ndarray | None = None
+    row_fallbacks: np.ndarray | None = None
+
+
+@struct.dataclass
+class EarlyBirdState:
+    block: jax.Array  # [b, G] bool: members of the current block (generated positions)
+    size: jax.Array  # [b] int32 members when the block was chosen (0: none yet)
+    index: jax.Array  # [b, G] int32 each member's index in its block, by position
+    blocks: jax.Array  # [b] int32 blocks chosen so far
+    fallbacks: jax.Array  # [b] int32 of which fell back
+
+
+def choose_block(masked, candidate, *, g_max: int, l_min: int, fallback_length: int):
+    """The LBS block of each row.
+
+    Args:
+      masked: [b, G] bool, masked generated positions.
+      candidate: [b, G] bool, a subset of masked: the router's candidates.
+      g_max: largest gap (masked non-candidates between two candidates) inside a block.
+      l_min: a block of fewer masked positions falls back.
+      fallback_length: the fallback block is the first this many masked positions.
+    Returns:
+      (block [b, G] bool, a subset of masked; fell_back [b] bool).
+    """
+    G = masked.shape[-1]
+    pos = jnp.arange(G)[None, :]
+    rank = jnp.cumsum(masked, axis=-1) - 1  # index among the row's masked positions
+    cand_rank = jnp.where(candidate, rank, -1)
+    before = jnp.concatenate([jnp.full_like(cand_rank[:, :1], -1),
+                              jax.lax.cummax(cand_rank, axis=1)[:, :-1]], axis=1)
+    gap = rank - before - 1  # masked non-candidates since the previous candidate
+    breaks = candidate & (before >= 0) & (gap > g_max)
+    first_break = jnp.min(jnp.where(breaks, pos, G), axis=-1, keepdims=True)
+    run = candidate & (pos < first_break)
+    first = jnp.min(jnp.where(run, pos, G), axis=-1, keepdims=True)
+    last = jnp.max(jnp.where(run, pos, -1), axis=-1, keepdims=True)
+    block = masked & (pos >= first) & (pos <= last)
+    fell_back = jnp.sum(block, axis=-1) < l_min
+    fallback = masked & (rank < fallback_length)
+    return jnp.where(fell_back[:, None], fallback, block), fell_back
+
+
+def lps_commit(block_masked, conf, p_psi, *, threshold: float, tau_psi: float):
+    """The combined commit rule: conf >= threshold or p_psi > tau_psi; none -> top-1.
+
+    Args:
+      block_masked: [b, n] bool, the block's masked positions.
+      conf: [b, n] top-1 probability; p_psi: [b, n] the LPS router's probability.
+    Returns:
+      [b, n] bool, a subset of block_masked, non-empty where block_masked is.
+    """
+    commit = block_masked & ((conf >= threshold) | (p_psi > tau_psi))
+    none = ~jnp.any(commit, axis=-1, keepdims=True)
+    top1 = ops.topk_mask(jnp.where(block_masked, conf, ops.NEG_INF),
+                         jnp.ones(conf.shape[:1], jnp.int32))
+    return commit | (none & top1)
+
+
+def _same_architecture(a, b) -> bool:
+    return dataclasses.replace(a, dtype="float32", param_dtype="float32") == \
+        dataclasses.replace(b, dtype="float32", param_dtype="float32")
+
+
+def default_router_folder(cfg) -> pathlib.Path:
+    """The routers of the shipped model whose config is cfg (dtypes aside)."""
+    from asynclane_jax import checkpoint
+    from asynclane_jax.testbed import routers
+
+    matches, with_routers = [], []
+    for name, folder in checkpoint.shipped_registry().items():
+        try:
+            shipped, _ = checkpoint.read_config(folder)
+        except (checkpoint.CheckpointError, TypeError, ValueError):
+            continue
+        if _same_architecture(shipped, cfg):
+            matches.append(name)
+            if routers.has_routers(folder):
+                with_routers.append(folder)
+    if len(with_routers) == 1:
+        return with_routers[0]
+    if len(with_routers) > 1:
+        raise SamplerError(f"eb: several shipped models have this model's config "
+                           f"({matches}); pass routers=FOLDER")
+    have = [n for n, f in checkpoint.shipped_registry().items() if routers.has_routers(f)]
+    raise SamplerError(
+        "eb: no router weights for this model (shipped models with routers: "
+        f"{have or 'none'}); train them (experiments/train_eb.py) and pass routers=FOLDER, "
+        "or decode without them: lbs=false lps=false")
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyBirdSchedule(Schedule):
+    """EB-Decode: LBS-chosen variable-length blocks, LPS-assisted commits.
+
+    Attributes:
+      g_max: largest run of masked non-candidates inside an LBS block.
+      l_min: an LBS block of fewer masked positions falls back.
+      fallback_length: the fallback block: the first this many masked positions.
+      threshold: a block position commits when its top-1 probability is at least this.
+      lbs_threshold: LBS candidates have p above this.
+      tau_psi: a block position also commits when the LPS router's p_psi exceeds this
+        (default: the value stored with the routers).
+      routers: folder of the router weights (a model folder with routers/, or that
+        folder); default: the shipped routers of this model.
+      lbs: run the LBS router (false: every block is the fallback).
+      lps: run the LPS router (false: commit at threshold, else the top-1).
+    """
+
+    name = "eb"
+    stats_type = EarlyBirdStats
+    structural = ("gen_length", "router_digest")
+    g_max: int = 5
+    l_min: int = 8
+    fallback_length: int = 32
+    threshold: float = 0.9
+    lbs_threshold: float = 0.5
+    tau_psi: float | None = None
+    routers: str | None = None
+    lbs: bool = True
+    lps: bool = True
+    # Set by `bind`: the digest naming the loaded router weights (None before).
+    router_digest: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for field in ("g_max", "l_min"):
+            if getattr(self, field) < 0:
+                raise SamplerError(f"eb: {field}={getattr(self, field)} must be >= 0")
+        if self.fallback_length < 1:
+            raise SamplerError(f"eb: fallback_length={self.fallback_length} must be >= 1")
+        for field in ("threshold", "lbs_threshold"):
+            if not 0 < getattr(self, field) <= 1:
+                raise SamplerError(f"eb: {field}={getattr(self, field)} must be in (0, 1]")
+        if self.tau_psi is not None and not 0 <= self.tau_psi <= 1:
+            raise SamplerError(f"eb: tau_psi={self.tau_psi} must be in [0, 1]")
+
+    @property
+    def needs_routers(self) -> bool:
+        return self.lbs or self.lps
+
+    def bind(self, tokenizer, cfg) -> EarlyBirdSchedule:
+        del tokenizer
+        if not self.needs_routers or self.router_digest is not None:
+            return self
+        from asynclane_jax.testbed import routers
+
+        folder = (pathlib.Path(self.routers).expanduser().absolute() if self.routers
+                  else default_router_folder(cfg))
+        try:
+            weights = routers.load_routers(folder)
+        except routers.RouterError as e:
+            raise SamplerError(f"eb: {e}") from None
+        lc = weights.lbs_config
+        if (lc.vocab_size, lc.d_base) != (cfg.vocab_size, cfg.d_model):
+            raise SamplerError(
+                f"eb: the routers in {folder} were trained for a model of vocabulary "
+                f"{lc.vocab_size} and width {lc.d_base}, not {cfg.vocab_size} and "
+                f"{cfg.d_model}")
+        if self.gen_length > lc.max_len:
+            raise SamplerError(f"eb: gen_length={self.gen_length} exceeds the LBS "
+                               f"router's {lc.max_len} positions")
+        _WEIGHTS[weights.digest] = weights
+        tau = self.tau_psi if self.tau_psi is not None else weights.meta.get("tau_psi")
+        if tau is None:
+            raise SamplerError(f"eb: the routers in {folder} store no tau_psi; pass tau_psi=")
+        return dataclasses.replace(self, routers=str(folder), router_digest=weights.digest,
+                                   tau_psi=float(tau))
+
+    def _weights(self):
+        if self.router_digest is None:
+            raise SamplerError("eb: the schedule is not bound to its routers (generate "
+                               "binds it: schedule.bind(tokenizer, cfg))")
+        if self.router_digest not in _WEIGHTS:  # bound in another process
+            from asynclane_jax.testbed import routers
+
+            weights = routers.load_routers(self.routers)
+            _WEIGHTS[weights.digest] = weights
+        if self.router_digest not in _WEIGHTS:
+            raise SamplerError(f"eb: the router weights in {self.routers} changed since "
+                               "the schedule was bound; bind it again")
+        return _WEIGHTS[self.router_digest]
+
+    # -- the routers (tests replace these with hand-made probabilities) -----------------
+    def lbs_probs(self, weights, entropy, top1):
+        """[b, G] p = sigmoid(O) of the LBS router."""
+        return jax.nn.sigmoid((weights or self._weights()).lbs_module()(entropy, top1))
+
+    def lps_probs(self, weights, features, block_masked):
+        """[b, G] p_psi of the LPS router over the block's masked positions."""
+        return jax.nn.sigmoid((weights or self._weights()).lps_module()(features,
+                                                                          block_masked))
+
+    # -- what the driver asks -------------------------------------------------------------
+    def max_iterations(self) -> int:
+        return self.gen_length + 2  # every call commits at least one position per row
+
+    def init(self, ctx: Context) -> EarlyBirdState:
+        b, G = ctx.batch, self.gen_length
+        zeros = jnp.zeros((b,), jnp.int32)
+        return EarlyBirdState(block=jnp.zeros((b, G), bool), size=zeros,
+                              index=jnp.zeros((b, G), jnp.int32), blocks=zeros,
+                              fallbacks=zeros)
+
+    def _columns(self, ctx: Context):
+        cols = ctx.prompt_len + jnp.arange(self.gen_length, dtype=jnp.int32)
+        return jnp.broadcast_to(cols, (ctx.batch, self.gen_length))
+
+    def plan(self, ctx: Context, canvas, state, live) -> Plan:
+        # Every generated column is predicted (a logit-shifted model: one column earlier).
+        return Plan(positions=self._columns(ctx) - ctx.shift, full=jnp.asarray(True),
+                    serve=live)
+
+    def decide(self, ctx: Context, canvas, state: EarlyBirdState, out: CallOutput, key,
+               weights=None):
+        """`update`, plus what the routers read (for decode traces).
+
+        Args:
+          as `update`; weights: RouterWeights to use instead of the bound ones.
+        Returns:
+          (canvas, state, info): info holds [b, G] arrays logits ([b, G, V]), x0, conf,
+          masked, lbs_entropy, lbs_top1, block_masked (the block's masked positions this
+          call decided on), lps_features ([b, G, 5]), commit.
+        """
+        del key
+        from asynclane_jax.testbed.routers import lbs_inputs, lps_features
+
+        P = ctx.prompt_len
+        logits, has = out.at(self._columns(ctx))
+        gen = canvas[:, P:]
+        masked = (gen == ctx.mask_id) & has & out.serve[:, None]
+        x0, conf = greedy_confidence(logits)
+        x0 = never_the_mask(logits, x0, ctx.mask_id)
+        entropy, top1 = lbs_inputs(logits, gen, ctx.mask_id)
+
+        need = out.serve & ~jnp.any(state.block & masked, axis=-1)
+        if self.lbs:
+            # Only when some row starts a block; the block is kept until resolved.
+            p = jax.lax.cond(jnp.any(need),
+                             lambda: self.lbs_probs(weights, entropy, top1),
+                             lambda: jnp.zeros(masked.shape, jnp.float32))
+            candidate = masked & (p > self.lbs_threshold) & ~ctx.is_stop(x0)
+        else:
+            candidate = jnp.zeros_like(masked)
+        new_block, fell_back = choose_block(masked, candidate, g_max=self.g_max,
+                                            l_min=self.l_min,
+                                            fallback_length=self.fallback_length)
+        block = jnp.where(need[:, None], new_block, state.block)
+        size = jnp.where(need, jnp.sum(new_block, axis=-1), state.size).astype(jnp.int32)
+        index = jnp.where(need[:, None], jnp.cumsum(new_block, axis=-1) - 1,
+                          state.index).astype(jnp.int32)
+
+        block_masked = block & masked
+        features = lps_features(logits, block_masked, size, index)
+        if self.lps:
+            p_psi = self.lps_probs(weights, features, block_masked)
+            tau = self.tau_psi if self.tau_psi is not None else math.inf
+        else:
+            p_psi, tau = jnp.zeros(masked.shape, jnp.float32), math.inf
+        commit = lps_commit(block_masked, conf, p_psi, threshold=self.threshold,
+                            tau_psi=tau)
+        canvas = canvas.at[:, P:].set(jnp.where(commit, x0, gen))
+        state = EarlyBirdState(block=block, size=size, index=index,
+                               blocks=state.blocks + need,
+                               fallbacks=state.fallbacks + (need & fell_back))
+        info = {"logits": logits, "x0": x0, "conf": conf, "masked": masked,
+                "lbs_entropy": entropy, "lbs_top1": top1, "block_masked": block_masked,
+                "lps_features": features, "commit": commit}
+        return canvas, state, info
+
+    def update(self, ctx: Context, canvas, state, out: CallOutput, key):
+        canvas, state, _ = self.decide(ctx, canvas, state, out, key)
+        return canvas, state
+
+    def done(self, ctx: Context, canvas, state):
+        return ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=-1)
+
+    def summary(self, ctx: Context, state: EarlyBirdState) -> dict:
+        return {"row_blocks": np.asarray(state.blocks),
+                "row_fallbacks": np.asarray(state.fallbacks)}
