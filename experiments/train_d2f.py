@@ -41,15 +41,19 @@ Asymmetric distillation (`asynclane_jax.testbed.distill`): per row the response 
 into blocks masked with ratios drawn and sorted to rise along the sequence (smallest
 {dc['t_eps']}); the teacher reads the noisy sequence bidirectionally, the student
 block-causally; loss: the cross-entropy of the student against the teacher's
-distribution at masked positions, weighted by 1 / ratio. Full fine-tune from the
-teacher's weights (at this size a LoRA adapter saves nothing worth having), AdamW (lr
-{dc['lr']}, warmup {dc['warmup_steps']} steps, cosine to {dc['min_lr_ratio']}x over the
-budget), batch shapes (response region, rows, probability): {dc['regions']}.
+distribution at masked positions, weighted by 1 / ratio. Starting from the teacher's
+weights, only the attention and MLP projection kernels are trained, at full rank
+(embeddings, norms, biases and the output head stay the teacher's), so the student is
+exactly a LoRA adapter over the teacher
+(`checkpoints_convert.export.write_lora_adapter`), the form of the published 8B
+students. AdamW (lr {dc['lr']}, warmup {dc['warmup_steps']} steps, cosine to
+{dc['min_lr_ratio']}x over the budget), batch shapes (response region, rows,
+probability): {dc['regions']}.
 
-Steps: {run['steps']:,}; training time: {run['train_minutes']:.1f} min of training steps on
-a 2-core CPU shared with other jobs. Command: `{run['command']}`. Final running means over
-the last 100 steps: loss {run['final']['loss']:.3f}, KL(teacher || student) at masked
-positions {run['final']['kl']:.3f}, argmax agreement with the teacher
+Steps: {run['steps']:,}; training time: {run['train_minutes']:.1f} min of training steps
+on a 2-core CPU shared with other jobs. Command: `{run['command']}`. Final running means
+over the last 100 steps: loss {run['final']['loss']:.3f}, KL(teacher || student) at
+masked positions {run['final']['kl']:.3f}, argmax agreement with the teacher
 {100 * run['final']['agree']:.1f}%. Curve: `experiments/results/d2f_{name}.png`.
 
 ## Held-out accuracy
@@ -116,7 +120,7 @@ def main(argv=None):
     if not args.no_export:
         dest = checkpoint.BUILTIN_MODELS_DIR / name
         d.export(dest, tokenizer_dir=checkpoint.resolve(args.teacher))
-        (dest / "README.md").write_text(card(name, dc.to_dict(), run, evals[:1]))
+        (dest / "README.md").write_text(card(name, dc.to_dict(), run, evals))
         print(f"exported {dest}")
 
 
