@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parameter dtype of the output (default: the source tensors' dtype)")
     p.add_argument("--lora", metavar="ADAPTER_DIR",
                    help="PEFT LoRA adapter to merge (W + alpha/r * B @ A), e.g. a D2F student")
+    p.add_argument("--block-causal", action="store_true",
+                   help="the weights were trained block-causal (a D2F student): the d2f "
+                        "sampler then caches finished blocks")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--verify", action="store_true",
                    help="compare logits with transformers' Llama/Qwen2 (is_causal=False) "
@@ -62,7 +65,8 @@ def run(args) -> int:
 
     with _sigterm_as_interrupt():
         result = conv.convert(args.src, args.dst, dtype=args.dtype, lora=args.lora,
-                              force=args.force, progress=not args.no_progress)
+                              force=args.force, progress=not args.no_progress,
+                              block_causal=args.block_causal)
     print(result.summary())
     if args.verify:
         return _verify(args, result)

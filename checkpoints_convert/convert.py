@@ -190,7 +190,7 @@ def prepare(src: str, *, dtype: str | None = None, lora: str | None = None,
 
 def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
             lora: str | None = None, force: bool = False, progress: bool = True,
-            cache_dir: str | None = None,
+            cache_dir: str | None = None, block_causal: bool = False,
             on_tensor: Callable[[str], None] | None = None) -> ConvertResult:
     """Converts a Hugging Face LLaDA / Dream snapshot into a converted folder.
 
@@ -200,6 +200,8 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
       dtype: output parameter dtype ("bfloat16" or "float32"); default: the source
         tensors' dtype.
       lora: a PEFT LoRA adapter folder to merge into the weights.
+      block_causal: mark the model as trained block-causal (a D2F student, whose
+        adapter and config do not say so), so that `sampler="d2f"` caches its blocks.
       force: replace an existing converted folder at `dst`.
       progress: show a tqdm bar (bytes of tensors done / total) on stderr.
       cache_dir: Hugging Face cache to look hub ids up in (default: the usual one).
@@ -253,6 +255,7 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
             "tensors": len(assignments), "source_dtype": snap.float_dtype(),
             "lora": adapter.summary() if adapter else None,
             "lora_config": adapter.config if adapter else None}}
+        cfg = cfg.replace(block_causal=block_causal)
         checkpoint.write_config(tmp, cfg, snap.hf_config, extra)
         checkpoint.save_params(tmp / checkpoint.PARAMS_DIR, params)
         del params

@@ -61,8 +61,9 @@ def test_student_as_lora_adapter_converts_back(distilled, tmp_path):
     adapter = write_lora_adapter(student, teacher, tmp_path / "lora")
     assert adapter["r"] == min(cfg.d_model, cfg.mlp_hidden)
     convert(str(tmp_path / "base"), tmp_path / "dst", lora=str(tmp_path / "lora"),
-            progress=False)
-    back, _, _ = asynclane_jax.load(tmp_path / "dst")
+            progress=False, block_causal=True)
+    back, _, back_cfg = asynclane_jax.load(tmp_path / "dst")
+    assert back_cfg.block_causal
     got, want = _flat(back), _flat(student)
     assert got.keys() == want.keys()
     for k in want:
