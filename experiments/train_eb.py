@@ -110,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--routers-to", default=None,
                     help="folder to write routers/ into (default: the model's own folder)")
     ap.add_argument("--results", default=str(RESULTS), help="folder of the result files")
+    ap.add_argument("--trace-cache", default=None,
+                    help="folder keeping the first round of traces between runs")
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -125,8 +127,18 @@ def main(argv=None):
     # 1. traces without LBS.
     t0 = time.time()
     base = EarlyBirdSchedule(gen_length=G, lbs=False, lps=False)
-    tr1 = R.decode_traces(model, problems, base, batch=args.trace_batch, progress=bar)
-    trace1_s = time.time() - t0
+    cached = pathlib.Path(args.trace_cache) / f"traces1_{args.model}_{G}_{len(problems)}.npz" \
+        if args.trace_cache else None
+    if cached is not None and cached.is_file():
+        with np.load(cached) as f:
+            tr1 = {k: f[k] for k in f.files}
+        trace1_s = float(tr1.pop("seconds"))
+    else:
+        tr1 = R.decode_traces(model, problems, base, batch=args.trace_batch, progress=bar)
+        trace1_s = time.time() - t0
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            np.savez(cached, seconds=trace1_s, **tr1)
     log(f"traces 1: {len(tr1['problem'])} rows, {trace1_s:.0f}s, "
         f"accuracy {tr1['correct'].mean():.3f}, steps/problem {tr1['steps'].mean():.1f}")
     train1 = np.nonzero(tr1["problem"] < first_val)[0]
@@ -138,7 +150,7 @@ def main(argv=None):
     lbs_tc = R.RouterTrainConfig(steps=args.lbs_steps, batch=32, lr=1e-3)
     lbs, lbs_hist = R.train_lbs(embedding, tr1, train1, lbs_tc, log=lambda h: log("LBS", h))
     lbs_s = time.time() - t0
-    lbs_val = R.evaluate_lbs(lbs, tr1, val1)
+    lbs_val = R.evaluate_lbs(lbs, tr1, val1, eos_id=cfg.eos_token_id)
     log(f"LBS: {lbs_s:.0f}s, validation {lbs_val}")
 
     # 3. traces with LBS.
@@ -246,7 +258,10 @@ def markdown(r: dict) -> str:
         f"Loss {lv['loss']:.3f} (oracle {lv['oracle_loss']:.3f}: select exactly the positions "
         f"with CE < 1). Selected (p > 0.5) {lv['selected_share']:.1%} of masked positions, "
         f"ready (CE < 1) {lv['ready_share']:.1%}; precision {lv['precision']:.3f}, recall "
-        f"{lv['recall']:.3f}.",
+        f"{lv['recall']:.3f}. Among masked positions whose top-1 is not end-of-text (the "
+        f"only possible candidates; {lv['text_share']:.1%} of masked positions): selected "
+        f"{lv['selected_share_text']:.1%}, ready {lv['ready_share_text']:.1%}, precision "
+        f"{lv['precision_text']:.3f}, recall {lv['recall_text']:.3f}.",
         "",
         "## LPS and tau_psi (validation)",
         "",

@@ -8,6 +8,8 @@ and the tiny LLaDA- and Dream-style models shipped in models/ (load them by name
   evaluate.py      held-out exact-match accuracy through asynclane_jax.decoding.generate
                    (`from asynclane_jax.testbed.evaluate import evaluate`)
   card.py          model cards of the shipped models
+  routers.py       Early-Bird's LBS and LPS routers (sampler "eb"): modules, decode
+                   traces, training, the weights shipped beside a model (routers/)
 """
 
 from asynclane_jax.testbed.tasks import Problem, check, heldout, line_accuracy, split
