@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     from asynclane_jax.harness import TASKS_DIR, require
 
     require("lm_eval")
-    import asynclane_jax.harness.model  # noqa: F401  (registers "asynclane")
     from lm_eval.__main__ import cli_evaluate
+
+    import asynclane_jax.harness.model  # noqa: F401  (registers "asynclane")
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--include_path" not in argv and argv and argv[0] in ("run", "ls", "validate"):
