@@ -27,7 +27,8 @@ CASES = [("tiny-llada", "vanilla", {}), ("tiny-llada", "fast-dllm", {"cache": "d
          ("tiny-llada", "fast-dllm", {"cache": "prefix"}), ("tiny-llada", "localleap", {}),
          ("tiny-llada", "asynclane", {}), ("tiny-dream", "dream", {}),
          ("tiny-dream", "fast-dllm", {"cache": "dual"}), ("tiny-dream", "asynclane", {}),
-         ("tiny-llada", "d2f", {}), ("tiny-llada-block-causal", "d2f", {})]
+         ("tiny-llada", "d2f", {}), ("tiny-llada-block-causal", "d2f", {}),
+         ("tiny-llada", "eb", {})]
 
 
 @functools.cache
