@@ -37,13 +37,18 @@ def _rows() -> list[dict]:
             for sampler in SAMPLERS:
                 rows.append(dict(topology="v5e:2x4", mesh="data=1,tensor=8", model=model,
                                  sampler=sampler, batch=batch))
+    # Dream's 28 query heads on a 4-way tensor axis: split whole, no replicated attention.
+    rows.append(dict(topology="v5e:2x4", mesh="data=2,tensor=4", model="dream-7b-instruct",
+                     sampler="asynclane", batch=8))
     for model in MODELS:  # one v6e chip holds the whole model
         for sampler in SAMPLERS:
             rows.append(dict(topology="v6e:1x1", mesh="tensor", model=model,
                              sampler=sampler, batch=1))
-    for sampler in SAMPLERS:  # v4-8: four chips (megacore), 32 GiB each
+    # v5p-8: four chips (megacore), 95 GiB each. (v4:2x2x1 was tried first: its compile
+    # of the 32-layer LLaDA grew past 22 GiB of host memory, more than this machine had.)
+    for sampler in SAMPLERS:
         for model in MODELS:
-            rows.append(dict(topology="v4:2x2x1", mesh="data=1,tensor=4", model=model,
+            rows.append(dict(topology="v5p:2x2x1", mesh="data=1,tensor=4", model=model,
                              sampler=sampler, batch=8))
     return rows
 
@@ -71,20 +76,41 @@ def _done(path: pathlib.Path) -> dict[str, dict]:
     return out
 
 
-def _run(cmd: list[str], out: pathlib.Path) -> None:
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _run(cmd: list[str], out: pathlib.Path, max_rss_gib: float | None = None) -> None:
+    """Runs one compile, watching its host memory; appends its report to `out`."""
     text = shlex.join(cmd)
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # nothing here runs on a device
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _rss(proc.pid))
+        if max_rss_gib is not None and peak > max_rss_gib * GIB:
+            proc.kill()
+        time.sleep(1)
+    stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1):
-        print(f"failed ({proc.returncode}): {text}\n{proc.stderr[-2000:]}", file=sys.stderr)
+        print(f"failed ({proc.returncode}, host memory {peak / GIB:.1f} GiB): {text}\n"
+              f"{stderr[-2000:]}", file=sys.stderr, flush=True)
         return
     rec = {"command": text, "rc": proc.returncode, "wall_s": round(wall, 1),
-           **json.loads(proc.stdout.strip().splitlines()[-1])}
+           "host_rss_gib": round(peak / GIB, 2), **json.loads(stdout.strip().splitlines()[-1])}
     with out.open("a") as f:
         f.write(json.dumps(rec) + "\n")
-    print(f"{wall:7.1f}s  fits={rec['fits']}  {text}", flush=True)
+    print(f"{wall:7.1f}s  fits={rec['fits']}  host {peak / GIB:.1f} GiB  {text}", flush=True)
 
 
 def cmd_rows(args) -> None:
@@ -98,7 +124,7 @@ def cmd_rows(args) -> None:
             continue
         if args.limit is not None and n >= args.limit:
             break
-        _run(cmd, out)
+        _run(cmd, out, args.max_rss_gib)
         n += 1
 
 
@@ -169,8 +195,8 @@ def cmd_table(args) -> None:
     heads = list(_done(pathlib.Path(args.heads)).values()) if args.heads else []
     order = {shlex.join(command(r)): i for i, r in enumerate(ROWS)}
     rows.sort(key=lambda r: order.get(r["command"], 1e9))
-    for topo in dict.fromkeys(r["topology"] for r in rows):
-        sel = [r for r in rows if r["topology"] == topo]
+    for topo, mesh in dict.fromkeys((r["topology"], r["mesh"]) for r in rows):
+        sel = [r for r in rows if (r["topology"], r["mesh"]) == (topo, mesh)]
         r0 = sel[0]
         print(f"\n### {topo}: {r0['chips']} x {r0['device_kind']}, "
               f"{r0['hbm_bytes'] / GIB:.0f} GiB HBM per chip, mesh {r0['mesh']}\n")
@@ -212,6 +238,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--only", default=None, help="topology prefix, e.g. v5e")
     p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-rss-gib", type=float, default=None,
+                   help="stop a compile whose process grows past this much host memory")
     p.set_defaults(func=cmd_rows)
     p = sub.add_parser("heads")
     p.add_argument("--out", required=True)
