@@ -157,6 +157,13 @@ def tpu_slice(topology: str, hbm_gib: float | None = None) -> Slice:
                  device_kind=kind, hbm_bytes=int(hbm * GIB))
 
 
+def size_text(n: int) -> str:
+    """Bytes for people: GiB from 1 GiB up, then MiB, then KiB."""
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -232,7 +239,7 @@ class AotReport:
 
     def summary(self) -> str:
         """A few lines for people."""
-        g = lambda b: f"{b / GIB:.2f} GiB"
+        g = size_text
         opts = " ".join(f"{k}={v}" for k, v in self.options.items())
         lines = [f"{self.model} {self.sampler}{' ' + opts if opts else ''}: gen_length "
                  f"{self.gen_length}, prompt {self.prompt_len}, batch {self.batch}"
@@ -279,8 +286,8 @@ def _mesh(spec, tpu: Slice):
         sizes = [int(s) for s in re.findall(r"=\s*(-?\d+)", text)]
         if sizes and min(sizes) > 0 and math.prod(sizes) != n:
             raise AotError(f"mesh {spec!r} has {math.prod(sizes)} devices, but topology "
-                           f"{tpu.topology} has {n} chips; make the axis sizes multiply "
-                           f"to {n}, or use -1 for one axis") from None
+                           f"{tpu.topology} has {n} chip{'s' if n > 1 else ''}; make the "
+                           f"axis sizes multiply to {n}, or use -1 for one axis") from None
         raise AotError(str(e)) from None
     return sharding.make_mesh(spec, devices=list(tpu.devices))
 
@@ -391,9 +398,9 @@ def compile_for_topology(model, *, sampler: str = "asynclane", gen_length: int =
         hlo = compiled.as_text()
         collectives = count_collectives(hlo)
         if peak > tpu.hbm_bytes:
-            failure = (f"needs {peak / GIB:.2f} GiB per chip, {tpu.device_kind} chips have "
-                       f"{tpu.hbm_bytes / GIB:.2f} GiB (over by "
-                       f"{(peak - tpu.hbm_bytes) / GIB:.2f} GiB)")
+            failure = (f"needs {size_text(peak)} per chip, {tpu.device_kind} chips have "
+                       f"{size_text(tpu.hbm_bytes)} (over by "
+                       f"{size_text(peak - tpu.hbm_bytes)})")
 
     return AotReport(
         model=name, sampler=sampler, options=options, gen_length=gen_length,

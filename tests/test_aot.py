@@ -125,4 +125,4 @@ def test_cli_json_and_does_not_fit(capsys):
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["fits"] is False and out["headroom_bytes"] < 0
-    assert "does not fit on v5e:2x4" in captured.err and "GiB per chip" in captured.err
+    assert "does not fit on v5e:2x4" in captured.err and "MiB per chip" in captured.err
