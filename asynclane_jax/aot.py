@@ -189,10 +189,11 @@ class AotReport:
         state, activations, logits);
       code_bytes: the program itself (TPU programs are loaded into HBM).
     peak_bytes = argument + output - alias + temp + code: all of it is live at once in the
-    worst case, and it is what the TPU compiler itself adds up against HBM. It does not
-    include the few hundred MiB the TPU runtime keeps for itself, which is one reason to
-    ask for headroom rather than an exact fit.
-    `compiler_peak_bytes` is the compiler's own peak over the program's temporaries
+    worst case (the weights and the program for the whole run, the temporaries at their
+    high point), so it errs on the safe side. It does not include what the TPU runtime
+    keeps for itself (the compiler offers a program 15.75 of a v5e chip's 16 GiB), one
+    reason to ask for headroom rather than an exact fit.
+    `compiler_peak_bytes` is the compiler's own peak figure
     (memory_analysis().peak_memory_in_bytes), for reference.
 
     When the TPU compiler itself refuses the program for lack of HBM, the sizes are None
