@@ -141,10 +141,10 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
       pad_batch: pad the number of rows up to `batch_bucket(n)`.
       mesh: decode sharded over a mesh: a jax.sharding.Mesh, a spec such as
         "data=2,tensor=4", a preset name, or a ShardingPlan with rules of one's own
-        (see asynclane_jax.sharding). Default: the
-        mesh the model's parameters were loaded onto (`load(..., mesh=...)`), if any.
-        Parameters not yet on the mesh are placed on it (a copy); rows are padded to a
-        multiple of the mesh's batch axes.
+        (see asynclane_jax.sharding). Default: the mesh the model's parameters were
+        loaded onto (`load(..., mesh=...)`), if any. Parameters not yet on the mesh
+        are placed on it (a copy); rows are padded to a multiple of the mesh's batch
+        axes.
       **sampler_options: the sampler's options, e.g. block_length, steps, threshold,
         cache, cfg_scale.
     Returns:
