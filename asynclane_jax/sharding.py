@@ -249,12 +249,9 @@ def plan_for(cfg, mesh: str | Mesh, *, rules: Rules | None = None,
 def mesh_of(model) -> Mesh | None:
     """The mesh a model's parameters are placed on, when they are on more than one
     device through a NamedSharding (None otherwise)."""
-    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
-        s = getattr(leaf, "sharding", None)
-        if isinstance(s, NamedSharding) and s.mesh.size > 1:
-            return s.mesh
-        return None
-    return None
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    s = getattr(leaves[0], "sharding", None) if leaves else None
+    return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
 
 
 def shard_model(model, plan: ShardingPlan):

@@ -146,8 +146,9 @@ class D2FSchedule(Schedule):
         return D2FState(blocks=jnp.where(first, ACTIVE, ABSENT).astype(jnp.int32),
                         complete=first, eos=jnp.zeros((b,), bool))
 
-    def _first_in_flight(self, state: D2FState):
-        inflight = (state.blocks == ACTIVE) | (state.blocks == TO_CACHE)
+    def _first_in_flight(self, blocks):
+        """(first in-flight block [b], whether the row has one [b]) of block states."""
+        inflight = (blocks == ACTIVE) | (blocks == TO_CACHE)
         return jnp.argmax(inflight, axis=-1).astype(jnp.int32), jnp.any(inflight, axis=-1)
 
     def _window_columns(self, ctx: Context, first):
@@ -166,7 +167,7 @@ class D2FSchedule(Schedule):
         return Plan(positions=cols, full=jnp.asarray(False), serve=live, logits_at=read)
 
     def plan(self, ctx: Context, canvas, state, live) -> Plan:
-        first, any_inflight = self._first_in_flight(state)
+        first, any_inflight = self._first_in_flight(state.blocks)
         added = jnp.sum(state.blocks != ABSENT, axis=-1).astype(jnp.int32)
         end = ctx.prompt_len + added * self.block_length  # end of the last added block
         # A logit-shifted model predicts column c from c - 1: query one column earlier.
@@ -181,7 +182,7 @@ class D2FSchedule(Schedule):
         del key
         P, B, nb, T = ctx.prompt_len, self.block_length, self.num_blocks, ctx.length
         serve = out.serve
-        first, _ = self._first_in_flight(state)
+        first, _ = self._first_in_flight(state.blocks)
         wcols = self._window_columns(ctx, first)  # [b, W]
         logits, has = out.at(wcols)
         x0, conf = greedy_confidence(logits)
@@ -222,9 +223,8 @@ class D2FSchedule(Schedule):
 
         # Add a block: no end-of-text yet, room in the window, the last block far enough.
         added = jnp.sum(blocks != ABSENT, axis=-1)  # [b]
-        first_after, _ = self._first_in_flight(D2FState(blocks, state.complete, eos))
-        inflight = (blocks == ACTIVE) | (blocks == TO_CACHE)
-        first_after = jnp.where(jnp.any(inflight, axis=-1), first_after, added)
+        first_after, any_after = self._first_in_flight(blocks)
+        first_after = jnp.where(any_after, first_after, added)
         last_frac = jnp.take_along_axis(decoded, jnp.maximum(added - 1, 0)[:, None],
                                         axis=1)[:, 0] / B
         add = (serve & ~eos & (added < nb) & (added + 1 - first_after <= A)

@@ -36,7 +36,7 @@ from flax import nnx
 
 from asynclane_jax.models.model import DiffusionLM
 from asynclane_jax.testbed import tasks
-from asynclane_jax.testbed.train import lr_at, make_batch, make_optimizer
+from asynclane_jax.testbed.train import lr_at, make_optimizer, sample_batch
 
 
 @dataclasses.dataclass
@@ -178,11 +178,8 @@ class Distiller:
         return nnx.merge(self.s_graphdef, self.params)
 
     def train_step(self) -> dict:
-        shapes = self.dc.regions
-        i = self.rng.choice(len(shapes), p=[s[2] for s in shapes])
-        region, rows, _ = shapes[i]
-        batch = {k: jnp.asarray(v) for k, v in make_batch(
-            self.stream, rows, region, self.dc.prompt_length, self.rng).items()}
+        batch = {k: jnp.asarray(v) for k, v in sample_batch(
+            self.stream, self.dc.regions, self.dc.prompt_length, self.rng).items()}
         self.key, sub = jax.random.split(self.key)
         lr = lr_at(self.dc, self.step, self.progress())
         t0 = time.perf_counter()

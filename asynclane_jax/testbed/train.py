@@ -158,6 +158,14 @@ def make_batch(stream, rows: int, region: int, prompt_length: int, rng: np.rando
     return {"tokens": tokens, "key_mask": key_mask, "response": response}
 
 
+def sample_batch(stream, regions, prompt_length: int, rng: np.random.Generator,
+                 attended_pad_frac: float = 0.0) -> dict:
+    """One batch of a shape drawn from `regions` ((region, rows, probability) each)."""
+    probs = np.array([r[2] for r in regions], float)
+    region, rows, _ = regions[rng.choice(len(regions), p=probs / probs.sum())]
+    return make_batch(stream, rows, region, prompt_length, rng, attended_pad_frac)
+
+
 # --------------------------------------------------------------------------- objective
 
 def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3,
@@ -338,11 +346,8 @@ class Trainer:
         return self.elapsed / (60.0 * self.tc.minutes)
 
     def next_batch(self) -> dict:
-        regions = self.tc.regions
-        probs = np.array([r[2] for r in regions], float)
-        region, rows, _ = regions[self._rng.choice(len(regions), p=probs / probs.sum())]
-        return make_batch(self._stream, rows, region, self.tc.prompt_length, self._rng,
-                          self.tc.attended_pad_frac)
+        return sample_batch(self._stream, self.tc.regions, self.tc.prompt_length, self._rng,
+                            self.tc.attended_pad_frac)
 
     def train_step(self) -> dict:
         batch = self.next_batch()
