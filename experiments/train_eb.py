@@ -19,6 +19,7 @@ Writes experiments/results/eb_<model>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -94,6 +95,18 @@ def decode_share(model, problems, gen_length: int, weights_folder) -> dict:
     return out
 
 
+def parse_shape(text: str) -> dict:
+    """'d_model=32,ffn=64' -> {'d_model': 32, 'ffn': 64}; only LBSConfig's shape fields."""
+    allowed = {"d_feat", "d_model", "n_heads", "ffn", "n_layers"}
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        k, sep, v = item.partition("=")
+        if not sep or k.strip() not in allowed or not v.strip().isdigit():
+            raise SystemExit(f"--lbs-shape: {item!r} is not one of {sorted(allowed)}=INT")
+        out[k.strip()] = int(v)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llada")
@@ -110,6 +123,13 @@ def main(argv=None):
     ap.add_argument("--routers-to", default=None,
                     help="folder to write routers/ into (default: the model's own folder)")
     ap.add_argument("--results", default=str(RESULTS), help="folder of the result files")
+    ap.add_argument("--lbs-positions", choices=("text", "all"), default="text",
+                    help="LBS loss over masked positions whose top-1 is not end-of-text "
+                    "(text: the only possible candidates) or over all masked positions "
+                    "(all: the paper's)")
+    ap.add_argument("--lbs-shape", default="d_feat=16,d_model=32,ffn=64",
+                    help="LBS router shape, LBSConfig fields as k=v,... ('' for the "
+                    "paper's: d_feat 64, d_model 128, ffn 256)")
     ap.add_argument("--trace-cache", default=None,
                     help="folder keeping the first round of traces between runs")
     args = ap.parse_args(argv)
@@ -148,7 +168,10 @@ def main(argv=None):
     t0 = time.time()
     embedding = np.asarray(model.embed[...])
     lbs_tc = R.RouterTrainConfig(steps=args.lbs_steps, batch=32, lr=1e-3)
-    lbs, lbs_hist = R.train_lbs(embedding, tr1, train1, lbs_tc, log=lambda h: log("LBS", h))
+    lbs_shape = parse_shape(args.lbs_shape)
+    lbs, lbs_hist = R.train_lbs(embedding, tr1, train1, lbs_tc, log=lambda h: log("LBS", h),
+                                eos_id=cfg.eos_token_id if args.lbs_positions == "text" else None,
+                                shape=lbs_shape)
     lbs_s = time.time() - t0
     lbs_val = R.evaluate_lbs(lbs, tr1, val1, eos_id=cfg.eos_token_id)
     log(f"LBS: {lbs_s:.0f}s, validation {lbs_val}")
@@ -184,7 +207,9 @@ def main(argv=None):
         "tau_selection": dict(tau, max_fpr=args.max_fpr, split="validation problems",
                               counted="block positions below threshold 0.9"),
         "train_problems": first_val, "validation_problems": n_val,
-        "lbs_train": dict(vars(lbs_tc), history=lbs_hist, validation=lbs_val),
+        "lbs_train": dict(vars(lbs_tc), history=lbs_hist, validation=lbs_val,
+                          positions=args.lbs_positions,
+                          shape=dataclasses.asdict(lbs.cfg)),
         "lps_train": dict(vars(lps_tc), history=lps_hist),
         "training_minutes": round(train_minutes, 2),
     }
@@ -217,6 +242,7 @@ def main(argv=None):
         "seconds": {"traces_without_lbs": round(trace1_s, 1), "lbs_training": round(lbs_s, 1),
                     "traces_with_lbs": round(trace2_s, 1), "lps_training": round(lps_s, 1)},
         "training_minutes": round(train_minutes, 2),
+        "lbs_positions": args.lbs_positions, "lbs_shape": dataclasses.asdict(lbs.cfg),
         "lbs_validation": lbs_val, "tau": tau, "router_cost": cost,
         "heldout_check": {k: check[k] for k in ("n", "accuracy", "nfe_per_token",
                                                  "nfe_per_row", "tps")},
@@ -254,6 +280,13 @@ def markdown(r: dict) -> str:
         f"{r['trace_steps_per_problem']['with_lbs']:.1f}.",
         "",
         "## LBS (validation)",
+        "",
+        f"Shape: d_feat {r['lbs_shape']['d_feat']}, d_model {r['lbs_shape']['d_model']}, "
+        f"{r['lbs_shape']['n_layers']} layers of {r['lbs_shape']['n_heads']} heads and FFN "
+        f"{r['lbs_shape']['ffn']} (the paper's: 64, 128, 2 x 4, 256). Loss taken over "
+        + ("the masked positions whose top-1 is not end-of-text (the candidates)."
+           if r["lbs_positions"] == "text" else "all masked positions (the paper's).")
+        + " The figures below count all masked positions, then the candidates alone.",
         "",
         f"Loss {lv['loss']:.3f} (oracle {lv['oracle_loss']:.3f}: select exactly the positions "
         f"with CE < 1). Selected (p > 0.5) {lv['selected_share']:.1%} of masked positions, "

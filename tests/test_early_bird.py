@@ -231,6 +231,27 @@ def test_losses_and_tau():
     assert np.mean(p[~label] > t["tau_psi"]) == t["fpr"]
 
 
+def test_lbs_trains_on_text_positions_only_when_asked():
+    # Two trace rows of 4 positions; top-1 end-of-text (EOS) at some masked positions.
+    top1 = np.asarray([[3, EOS, 4, EOS], [EOS, EOS, 5, 2]], np.int16)
+    masked = np.asarray([[True, True, True, False], [True, True, False, True]])
+    traces = {"lbs_top1": top1, "masked": masked, "lbs_entropy": np.zeros((2, 4), np.float16),
+              "ce": np.zeros((2, 4), np.float16)}
+    every = R.lbs_arrays(traces, [0, 1])
+    text = R.lbs_arrays(traces, [0, 1], eos_id=EOS)
+    np.testing.assert_array_equal(every["masked"], masked)
+    np.testing.assert_array_equal(text["masked"], [[True, False, True, False],
+                                                   [False, False, False, True]])
+    # The router's shape is a choice; the trained router carries it to its saved config.
+    emb = np.zeros((V, 8), np.float32)
+    traces = {k: np.tile(v, (1, 3)) for k, v in traces.items()}
+    lbs, _ = R.train_lbs(emb, traces, [0, 1], R.RouterTrainConfig(steps=2, batch=2),
+                         eos_id=EOS, shape={"d_feat": 8, "d_model": 16, "ffn": 32})
+    assert (lbs.cfg.d_feat, lbs.cfg.d_model, lbs.cfg.ffn, lbs.cfg.n_layers) == (8, 16, 32, 2)
+    assert R.RouterWeights.from_modules(lbs=lbs).lbs_module()(
+        jnp.zeros((1, 12)), jnp.zeros((1, 12), jnp.int32)).shape == (1, 12)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 def _problems(n):

@@ -21,13 +21,15 @@ setting); the schedule reads the logits of every generated position. Per row:
      block) and gives p_psi. A position commits its top-1 when its probability is at
      least `threshold` (0.9) or p_psi > tau_psi (stored with the routers: chosen on a
      validation split at <= 1% false positives); when none does, the most confident
-     one commits.
+     one commits. p_psi decides only positions below the threshold, so the router is
+     not run in a call where no block position is below it.
   3. The row is done when no generated position is masked.
 
 Router weights inside one compiled program. The schedule needs no model parameters: the
 LBS router reads the top-1 token through the frozen base embedding and a Linear, and
-the two are folded into one [V, 64] table stored with the router. The weights (about
-0.3M numbers) become compile-time constants. A schedule is a frozen, hashable dataclass
+the two are folded into one [V, d_feat] table stored with the router. The weights
+(0.38M numbers at the paper's shape, 55k for the testbed's smaller LBS) become
+compile-time constants. A schedule is a frozen, hashable dataclass
 and part of the compiled program's key, so it does not hold the arrays: `bind` loads
 them, keeps them in a table keyed by a digest of their bytes, and stores the folder
 and the digest in the schedule (two strings: hashable, printable, JSON-ready); equal
@@ -326,7 +328,11 @@ class EarlyBirdSchedule(Schedule):
         block_masked = block & masked
         features = lps_features(logits, block_masked, size, index)
         if self.lps:
-            p_psi = self.lps_probs(weights, features, block_masked)
+            # p_psi decides only block positions below the threshold: when no row has
+            # one, the router's answer cannot change the commit and it is not run.
+            p_psi = jax.lax.cond(jnp.any(block_masked & (conf < self.threshold)),
+                                 lambda: self.lps_probs(weights, features, block_masked),
+                                 lambda: jnp.zeros(masked.shape, jnp.float32))
             tau = self.tau_psi if self.tau_psi is not None else math.inf
         else:
             p_psi, tau = jnp.zeros(masked.shape, jnp.float32), math.inf

@@ -446,19 +446,24 @@ def _fit(module, loss_fn, arrays: dict, tc: RouterTrainConfig, *, log=None,
     return history
 
 
-def lbs_arrays(traces: dict, rows) -> dict:
-    """The LBS training arrays of the given trace rows (float32 / int32)."""
-    return {"entropy": traces["lbs_entropy"][rows].astype(np.float32),
-            "top1": traces["lbs_top1"][rows].astype(np.int32),
-            "ce": traces["ce"][rows].astype(np.float32),
-            "masked": traces["masked"][rows]}
+def lbs_arrays(traces: dict, rows, eos_id: int | None = None) -> dict:
+    """The LBS training arrays of the given trace rows (float32 / int32). With eos_id,
+    `masked` keeps only the masked positions whose top-1 is not end-of-text (the only
+    ones that can become candidates)."""
+    top1 = traces["lbs_top1"][rows].astype(np.int32)
+    masked = traces["masked"][rows]
+    if eos_id is not None:
+        masked = masked & (top1 != eos_id)
+    return {"entropy": traces["lbs_entropy"][rows].astype(np.float32), "top1": top1,
+            "ce": traces["ce"][rows].astype(np.float32), "masked": masked}
 
 
 def _lbs_batch_loss(router, batch):
     return lbs_loss(router(batch["entropy"], batch["top1"]), batch["ce"], batch["masked"])
 
 
-def train_lbs(embedding, traces: dict, rows, tc: RouterTrainConfig, *, log=None):
+def train_lbs(embedding, traces: dict, rows, tc: RouterTrainConfig, *, log=None,
+              eos_id: int | None = None, shape: dict | None = None):
     """Trains an LBS router on trace rows (their masked positions).
 
     Args:
@@ -466,13 +471,20 @@ def train_lbs(embedding, traces: dict, rows, tc: RouterTrainConfig, *, log=None)
       traces: `decode_traces` output.
       rows: indices of the trace rows to train on.
       tc: training settings.
+      eos_id: when given, the loss is taken only over masked positions whose top-1 is
+        not end-of-text. Inference never makes the others candidates; on a short-answer
+        task they are most of the masked positions (an end-of-text tail with CE near 0)
+        and, counted, they drive the router to select everything.
+      shape: LBSConfig fields other than the paper's (d_feat, d_model, n_heads, ffn,
+        n_layers), e.g. a router sized to a small base model.
     Returns:
       (LBSRouter with the frozen embedding, loss history).
     """
     V, d = np.shape(embedding)
-    cfg = LBSConfig(vocab_size=V, d_base=d, max_len=max(512, traces["masked"].shape[1]))
+    cfg = LBSConfig(vocab_size=V, d_base=d, max_len=max(512, traces["masked"].shape[1]),
+                    **(shape or {}))
     router = LBSRouter(cfg, embedding=embedding, rngs=nnx.Rngs(tc.seed))
-    history = _fit(router, _lbs_batch_loss, lbs_arrays(traces, rows), tc, log=log)
+    history = _fit(router, _lbs_batch_loss, lbs_arrays(traces, rows, eos_id), tc, log=log)
     return router, history
 
 
