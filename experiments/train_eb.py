@@ -5,7 +5,9 @@
   1. traces without LBS (every block the first 32 masked positions, commit at p >= 0.9
      else top-1) on training-split problems -> LBS data: per generated position its
      entropy, top-1 and the reference token's cross-entropy;
-  2. the LBS router, trained on 80% of the problems (loss mean s*CE - mean s);
+  2. the LBS router, trained on 80% of the problems (loss mean s*CE - mean s, by default
+     over the masked positions whose top-1 is not end-of-text, and at a shape sized to
+     the testbed's 64-wide models: --lbs-positions, --lbs-shape);
   3. traces with the trained LBS (its variable-length blocks, commits as in 1) -> LPS
      data: the block's masked positions, label "top-1 == the final token";
   4. the LPS router (weighted BCE, negatives x2), tau_psi set on the other 20% at <= 1%

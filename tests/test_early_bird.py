@@ -6,6 +6,7 @@ its shipped routers."""
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -278,17 +279,24 @@ def test_without_routers_it_is_threshold_decoding_without_cache(tiny_llada):
 
 
 @pytest.mark.slow
-def test_shipped_routers_end_to_end(tiny_llada):
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream"])
+def test_shipped_routers_end_to_end(name, tiny_llada):
+    import asynclane_jax as aj
     from asynclane_jax import checkpoint
     from asynclane_jax.testbed import tasks
 
-    if not R.has_routers(checkpoint.resolve("tiny-llada")):
-        pytest.skip("tiny-llada has no routers yet (experiments/train_eb.py)")
+    assert R.has_routers(checkpoint.resolve(name)), f"{name} ships no routers"
+    model = tiny_llada if name == "tiny-llada" else aj.load(name)[0]
     problems, prompts = _problems(8)
-    res = generate(tiny_llada, prompts, sampler="eb", gen_length=256)
+    res = generate(model, prompts, sampler="eb", gen_length=256)
     assert not res.stats.hit_step_cap
-    assert not (res.tokens == tiny_llada.cfg.mask_token_id).any()
+    assert not (res.tokens == model.cfg.mask_token_id).any()
     assert res.stats.options["router_digest"] and res.stats.options["tau_psi"] is not None
+    # The model's own routers, found by its config.
+    assert pathlib.Path(res.stats.options["routers"]).resolve() == \
+        pathlib.Path(checkpoint.resolve(name)).resolve()
+    assert R.load_routers(res.stats.options["routers"]).digest == \
+        res.stats.options["router_digest"]
     assert (res.stats.row_blocks >= 1).all()
     assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 4
 
