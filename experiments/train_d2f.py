@@ -51,7 +51,7 @@ students. AdamW (lr {dc['lr']}, warmup {dc['warmup_steps']} steps, cosine to
 probability): {dc['regions']}.
 
 Steps: {run['steps']:,}; training time: {run['train_minutes']:.1f} min of training steps
-on a 2-core CPU shared with other jobs. Command: `{run['command']}`. Final running means
+on a 2-core CPU. Command: `{run['command']}`. Final running means
 over the last 100 steps: loss {run['final']['loss']:.3f}, KL(teacher || student) at
 masked positions {run['final']['kl']:.3f}, argmax agreement with the teacher
 {100 * run['final']['agree']:.1f}%. Curve: `experiments/results/d2f_{name}.png`.
@@ -87,8 +87,12 @@ def main(argv=None):
     tail = {k: sum(v[-100:]) / len(v[-100:]) for k, v in d.log.items() if k != "step"}
     run = {"steps": d.step, "train_minutes": d.train_seconds / 60,
            "wall_minutes": (time.time() - t0) / 60, "final": tail,
-           "command": "python experiments/train_d2f.py " + (
-               f"--steps {args.steps}" if args.steps else f"--minutes {args.minutes:g}")}
+           "command": " ".join(["python experiments/train_d2f.py"]
+                               + ([f"--teacher {args.teacher}"]
+                                  if args.teacher != "tiny-llada" else [])
+                               + ([f"--name {args.name}"] if args.name else [])
+                               + [f"--steps {args.steps}" if args.steps
+                                  else f"--minutes {args.minutes:g}"])}
     student = d.student()
     teacher, tok, _ = checkpoint.load(args.teacher)
     evals = [evaluate(student, tok, sampler="d2f", gen_length=args.eval_gen_length,
