@@ -243,7 +243,7 @@ def test_lbs_trains_on_text_positions_only_when_asked():
     np.testing.assert_array_equal(every["masked"], masked)
     np.testing.assert_array_equal(text["masked"], [[True, False, True, False],
                                                    [False, False, False, True]])
-    # The router's shape is a choice; the trained router carries it to its saved config.
+    # The shape is a choice; the trained router and its folded weights carry it.
     emb = np.zeros((V, 8), np.float32)
     traces = {k: np.tile(v, (1, 3)) for k, v in traces.items()}
     lbs, _ = R.train_lbs(emb, traces, [0, 1], R.RouterTrainConfig(steps=2, batch=2),
