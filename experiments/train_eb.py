@@ -104,7 +104,7 @@ def parse_shape(text: str) -> dict:
     for item in filter(None, (t.strip() for t in text.split(","))):
         k, sep, v = item.partition("=")
         if not sep or k.strip() not in allowed or not v.strip().isdigit():
-            raise SystemExit(f"--lbs-shape: {item!r} is not one of {sorted(allowed)}=INT")
+            raise argparse.ArgumentTypeError(f"{item!r} is not one of {sorted(allowed)}=INT")
         out[k.strip()] = int(v)
     return out
 
@@ -129,7 +129,7 @@ def main(argv=None):
                     help="LBS loss over masked positions whose top-1 is not end-of-text "
                     "(text: the only possible candidates) or over all masked positions "
                     "(all: the paper's)")
-    ap.add_argument("--lbs-shape", default="d_feat=16,d_model=32,ffn=64",
+    ap.add_argument("--lbs-shape", type=parse_shape, default="d_feat=16,d_model=32,ffn=64",
                     help="LBS router shape, LBSConfig fields as k=v,... ('' for the "
                     "paper's: d_feat 64, d_model 128, ffn 256)")
     ap.add_argument("--trace-cache", default=None,
@@ -170,10 +170,9 @@ def main(argv=None):
     t0 = time.time()
     embedding = np.asarray(model.embed[...])
     lbs_tc = R.RouterTrainConfig(steps=args.lbs_steps, batch=32, lr=1e-3)
-    lbs_shape = parse_shape(args.lbs_shape)
     lbs, lbs_hist = R.train_lbs(embedding, tr1, train1, lbs_tc, log=lambda h: log("LBS", h),
                                 eos_id=cfg.eos_token_id if args.lbs_positions == "text" else None,
-                                shape=lbs_shape)
+                                shape=args.lbs_shape)
     lbs_s = time.time() - t0
     lbs_val = R.evaluate_lbs(lbs, tr1, val1, eos_id=cfg.eos_token_id)
     log(f"LBS: {lbs_s:.0f}s, validation {lbs_val}")
