@@ -15,7 +15,7 @@ from flax import nnx, struct
 from reference_samplers import make_model, make_prompts
 
 from asynclane_jax.decoding import generate
-from asynclane_jax.decoding.block import greedy_confidence, never_the_mask
+from asynclane_jax.decoding.ops import greedy_confidence, never_the_mask
 from asynclane_jax.decoding.schedule import Plan, Schedule
 
 GEN = 16

@@ -75,12 +75,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.block import greedy_confidence, never_the_mask
-from asynclane_jax.decoding.fast_dllm import check_threshold
 from asynclane_jax.decoding.lanes import DONE, FREE, GENERATE, REFINE, TERMINATED, LaneStats
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
-
-NEG_INF = -jnp.inf
 
 
 @struct.dataclass
@@ -185,9 +181,9 @@ class AsyncLaneSchedule(Schedule):
     def __post_init__(self):
         super().__post_init__()
         n = self.name
-        check_threshold(n, self.threshold)
-        check_threshold(n, self.draft_threshold, "draft_threshold")
-        check_threshold(n, self.relaxed_threshold, "relaxed_threshold")
+        ops.check_threshold(n, self.threshold)
+        ops.check_threshold(n, self.draft_threshold, "draft_threshold")
+        ops.check_threshold(n, self.relaxed_threshold, "relaxed_threshold")
         for field, low in (("block_length", 1), ("radius", 0), ("lookahead", 0), ("max_lanes", 1),
                            ("refine_window", 0), ("refine_budget", 0), ("extra_queries", 0),
                            ("horizon", 0), ("refresh_every", 0)):
@@ -339,7 +335,7 @@ class AsyncLaneSchedule(Schedule):
             dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc & ~la_enc
             refine = masked & jnp.any(self._members(st, G, (REFINE,)), axis=-1)
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
-            score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, NEG_INF))
+            score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, ops.NEG_INF))
             top, idx = jax.lax.top_k(score, min(E, G))
             col = P + idx - jnp.where(top >= 2.0, s, 0)  # a refine target is queried at c - s
             parts.append(jnp.where(jnp.isfinite(top), col, T))
@@ -365,8 +361,8 @@ class AsyncLaneSchedule(Schedule):
         t = st.steps[:, None]  # this iteration's row step, per row
 
         # Predictions scattered onto generated columns.
-        x0, conf = greedy_confidence(out.logits)
-        x0 = never_the_mask(out.logits, x0, ctx.mask_id)
+        x0, conf = ops.greedy_confidence(out.logits)
+        x0 = ops.never_the_mask(out.logits, x0, ctx.mask_id)
         tgt = jnp.where((out.targets < T) & (out.targets >= P), out.targets - P, G)
         pred = jnp.zeros((b, G), jnp.int32).at[rows, tgt].set(x0, mode="drop")
         pconf = jnp.zeros((b, G), jnp.float32).at[rows, tgt].set(conf, mode="drop")
@@ -384,7 +380,7 @@ class AsyncLaneSchedule(Schedule):
         member_r = self._members(st, G, (REFINE,))  # [b, G, M]
         refining = jnp.any(member_r & masked[..., None], axis=(1, 2))[:, None]
         cand = masked & in_win & has
-        c = jnp.where(cand, pconf, NEG_INF)
+        c = jnp.where(cand, pconf, ops.NEG_INF)
         top1 = cand & (j == jnp.argmax(c, axis=-1)[:, None]) & ~refining
         ok = pconf >= self.threshold
         if self.relaxed_threshold < self.threshold:  # LocalLeap's anchors
@@ -396,7 +392,7 @@ class AsyncLaneSchedule(Schedule):
 
         # Refine lanes: threshold; past their budget, also their most confident position.
         rcand = masked & has & jnp.any(member_r, axis=-1)
-        lane_best = jnp.max(jnp.where(member_r & rcand[..., None], pconf[..., None], NEG_INF),
+        lane_best = jnp.max(jnp.where(member_r & rcand[..., None], pconf[..., None], ops.NEG_INF),
                             axis=1)  # [b, M]
         over = (st.steps[:, None] - st.split) >= self.refine_budget  # [b, M]
         is_best = jnp.any(member_r & over[:, None, :]

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from asynclane_jax.decoding import ops
 from asynclane_jax.decoding.schedule import (
     CallOutput,
     Context,
@@ -167,7 +168,7 @@ class BlockSchedule(Schedule):
             first_col = jnp.arange(B)[None, :] == 0
             x0 = jnp.where(at_start & first_col, jnp.argmax(logits, -1).astype(x0.dtype), x0)
             commit = jnp.where(at_start, first_col, commit)
-        x0 = never_the_mask(logits, x0, ctx.mask_id)
+        x0 = ops.never_the_mask(logits, x0, ctx.mask_id)
         commit = commit & masked
         new_blk = jnp.where(commit, x0, blk)
         canvas = canvas.at[rows, cols].set(new_blk)
@@ -217,20 +218,3 @@ class FixedStepsSchedule(BlockSchedule):
 
     def max_iterations(self) -> int:
         return self.steps + 2
-
-
-def never_the_mask(logits, x0, mask_id):
-    """The mask token is never committed: that would leave the position masked for
-    ever (the public samplers would commit it). A position whose prediction is the mask
-    token takes its best other token. A trained model gives the mask token no mass, so
-    this only matters for untrained weights; confidences are untouched."""
-    best_other = jnp.argmax(logits.at[..., mask_id].set(-jnp.inf), -1).astype(x0.dtype)
-    return jnp.where(x0 == mask_id, best_other, x0)
-
-
-def greedy_confidence(logits):
-    """argmax token and its softmax probability; [b, n, V] -> ([b, n] int32, [b, n] f32)."""
-    x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
-    return x0, conf

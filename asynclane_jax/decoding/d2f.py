@@ -42,8 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from asynclane_jax.decoding.block import greedy_confidence
-from asynclane_jax.decoding.fast_dllm import check_threshold
+from asynclane_jax.decoding.ops import check_threshold, greedy_confidence
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
 
 ABSENT, ACTIVE, TO_CACHE, CACHED = 0, 1, 2, 3

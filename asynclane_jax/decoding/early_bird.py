@@ -60,7 +60,7 @@ import numpy as np
 from flax import struct
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.block import greedy_confidence, never_the_mask
+from asynclane_jax.decoding.ops import greedy_confidence, never_the_mask
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
 from asynclane_jax.decoding.stats import DecodeStats
 

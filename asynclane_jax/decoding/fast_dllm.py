@@ -15,13 +15,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.block import BlockSchedule, greedy_confidence
+from asynclane_jax.decoding.block import BlockSchedule
+from asynclane_jax.decoding.ops import check_threshold, greedy_confidence
 from asynclane_jax.decoding.schedule import SamplerError
-
-
-def check_threshold(name: str, value: float, field: str = "threshold"):
-    if not 0 < value <= 1:
-        raise SamplerError(f"{name}: {field}={value} must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

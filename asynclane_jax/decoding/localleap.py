@@ -14,8 +14,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.block import BlockSchedule, greedy_confidence
-from asynclane_jax.decoding.fast_dllm import check_threshold
+from asynclane_jax.decoding.block import BlockSchedule
+from asynclane_jax.decoding.ops import check_threshold, greedy_confidence
 from asynclane_jax.decoding.schedule import SamplerError
 
 

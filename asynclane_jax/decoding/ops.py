@@ -5,7 +5,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from asynclane_jax.decoding.schedule import SamplerError
+
 NEG_INF = -jnp.inf
+
+
+def check_threshold(name: str, value: float, field: str = "threshold"):
+    """Raises SamplerError unless 0 < value <= 1 (a probability threshold)."""
+    if not 0 < value <= 1:
+        raise SamplerError(f"{name}: {field}={value} must be in (0, 1]")
+
+
+def never_the_mask(logits, x0, mask_id):
+    """The mask token is never committed: that would leave the position masked for
+    ever (the public samplers would commit it). A position whose prediction is the mask
+    token takes its best other token. A trained model gives the mask token no mass, so
+    this only matters for untrained weights; confidences are untouched."""
+    best_other = jnp.argmax(logits.at[..., mask_id].set(-jnp.inf), -1).astype(x0.dtype)
+    return jnp.where(x0 == mask_id, best_other, x0)
+
+
+def greedy_confidence(logits):
+    """argmax token and its softmax probability; [b, n, V] -> ([b, n] int32, [b, n] f32)."""
+    x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    conf = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
+    return x0, conf
 
 
 def topk_mask(conf, k):
