@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Any
 
+from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 from asynclane_jax.errors import UsageError
 
 GIB = 2 ** 30
@@ -298,7 +299,7 @@ def _out_of_memory(e: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text
 
 
-def compile_for_topology(model, *, sampler: str = "asynclane", gen_length: int = 128,
+def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: int = 128,
                          batch: int = 1, prompt_len: int = 128, topology: str,
                          mesh: str = "tensor", options: dict | None = None,
                          heads: str = "whole", dtype: str | None = None,
@@ -331,12 +332,8 @@ def compile_for_topology(model, *, sampler: str = "asynclane", gen_length: int =
 
     from asynclane_jax import sharding
     from asynclane_jax.decoding import driver
-    from asynclane_jax.decoding.api import (
-        DEFAULT_BUCKET,
-        batch_bucket,
-        bucket_length,
-        make_schedule,
-    )
+    from asynclane_jax.decoding.api import batch_rows, make_schedule, prompt_bucket
+    from asynclane_jax.decoding.schedule import SamplerError
     from asynclane_jax.models import abstract_model, param_stats
 
     cfg, name = _config(model, dtype)
@@ -349,26 +346,24 @@ def compile_for_topology(model, *, sampler: str = "asynclane", gen_length: int =
         plan = sharding.plan_for(cfg, _mesh(mesh, tpu), heads=heads)
     except sharding.ShardingError as e:
         raise AotError(str(e)) from None
-    P = bucket_length(prompt_len, DEFAULT_BUCKET)
-    rows = batch_bucket(batch)
-    rows = -(-rows // plan.batch_multiple) * plan.batch_multiple
-    if P + gen_length > cfg.max_seq_len:
-        raise AotError(f"prompt {P} + gen_length {gen_length} exceeds the model's "
-                       f"max_seq_len {cfg.max_seq_len}")
+    try:
+        P = prompt_bucket(prompt_len, gen_length, cfg)
+    except SamplerError as e:
+        raise AotError(str(e)) from None
+    rows = batch_rows(batch, plan=plan)
 
     graphdef, params = nnx.split(abstract_model(cfg))
-    params = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s),
-                          params, plan.param_shardings(params))
-    sds = lambda shape, dtype, logical: jax.ShapeDtypeStruct(
-        shape, dtype, sharding=plan.sharding(logical, shape))
-    canvas = sds((rows, P + gen_length), jnp.int32, sharding.TOKENS)
-    pad_len = sds((rows,), jnp.int32, sharding.ROWS)
-    live = sds((rows,), jnp.bool_, sharding.ROWS)
+    operands = schedule.operands()
     key = jax.eval_shape(lambda: jax.random.key(0))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=plan.replicated())
+    shapes = (params, jax.ShapeDtypeStruct((rows, P + gen_length), jnp.int32),
+              jax.ShapeDtypeStruct((rows,), jnp.int32), jax.ShapeDtypeStruct((rows,), bool),
+              key, operands)
+    where = sharding.decode_shardings(plan, params, rows, P + gen_length, operands)
+    params, canvas, pad_len, live, rng, operands = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, where)
 
     t0 = time.perf_counter()
-    lowered = driver.lower_decode(graphdef, params, canvas, pad_len, live, rng,
+    lowered = driver.lower_decode(graphdef, params, canvas, pad_len, live, rng, operands,
                                   schedule=schedule, plan=plan)
     t1 = time.perf_counter()
     compiled, failure = None, ""
@@ -435,7 +430,7 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named config")
     p.add_argument("--model", help="a converted folder or shipped model name (its config)")
-    p.add_argument("--sampler", default="asynclane")
+    p.add_argument("--sampler", default=DEFAULT_SAMPLER)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a sampler option, e.g. cache=dual (repeat for more)")
     p.add_argument("--gen-length", type=int, default=128)
@@ -463,7 +458,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     """The `aot` command: 0 when the decode fits, 1 when it does not (and why)."""
-    from asynclane_jax.decoding.schedule import parse_options
+    from asynclane_jax.decoding.registry import parse_options
 
     if (args.preset is None) == (args.model is None):
         raise AotError("give exactly one of --preset NAME or --model PATH")

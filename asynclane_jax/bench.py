@@ -49,7 +49,7 @@ import sys
 
 import numpy as np
 
-from asynclane_jax.errors import UsageError
+from asynclane_jax.errors import UsageError, run_command
 
 DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
                     "localleap:early_stop=true", "asynclane")
@@ -67,9 +67,9 @@ ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "accuracy
 
 def default_specs() -> list[str]:
     """DEFAULT_SAMPLERS, those whose sampler is registered."""
-    from asynclane_jax.decoding.schedule import registry
+    from asynclane_jax.decoding.registry import samplers
 
-    return [s for s in DEFAULT_SAMPLERS if s.split(":")[0] in registry()]
+    return [s for s in DEFAULT_SAMPLERS if s.split(":")[0] in samplers()]
 
 
 def split_model(spec: str) -> tuple[str, str | None]:
@@ -93,7 +93,7 @@ def parse_spec(spec: str) -> tuple[str, list[dict]]:
       UsageError: an empty name, a part without `=`, a key given twice, an empty
         alternative.
     """
-    from asynclane_jax.decoding.schedule import parse_options
+    from asynclane_jax.decoding.registry import parse_options
 
     name, *parts = spec.strip().split(":")
     name = name.strip()
@@ -120,7 +120,7 @@ def parse_spec(spec: str) -> tuple[str, list[dict]]:
 
 def _check_types(name: str, options: dict) -> None:
     """An option value of the wrong type is a one-line error (e.g. threshold=high)."""
-    from asynclane_jax.decoding.schedule import get_schedule_class, option_fields, option_type
+    from asynclane_jax.decoding.registry import get_schedule_class, option_fields, option_type
 
     cls = get_schedule_class(name)
     fields = option_fields(cls)
@@ -509,9 +509,9 @@ def register(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`asynclane-jax bench ARGS`: returns the exit status (2 on a user error)."""
-    from asynclane_jax.cli import main as cli_main
-
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="asynclane-jax")
+    register(parser.add_subparsers(dest="command", required=True))
+    return run_command(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

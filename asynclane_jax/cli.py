@@ -24,7 +24,7 @@ import sys
 from importlib import metadata
 
 from asynclane_jax import bench, generate_cli
-from asynclane_jax.errors import USER_ERRORS, UsageError
+from asynclane_jax.errors import UsageError, run_command
 from asynclane_jax.models.config import PRESETS
 
 # Other installed packages add subcommands through this entry-point group (the
@@ -68,15 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except USER_ERRORS as e:
-        print(f"asynclane-jax {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"asynclane-jax {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

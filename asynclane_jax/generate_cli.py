@@ -4,95 +4,85 @@
 (asynclane_jax.decoding.trace).
 
 Sampler options are not listed here: every option of every registered sampler becomes a
-flag (`--relaxed-threshold`), with its type and help taken from the schedule's dataclass
-field and docstring (asynclane_jax.decoding.schedule).
+flag (`--relaxed-threshold`), read with the chosen sampler's field type, and `--help`
+lists each sampler's options in a section of its own, their help taken from the
+schedule's dataclass fields and docstring (asynclane_jax.decoding.registry).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import textwrap
 
 from asynclane_jax.errors import UsageError
 
 DEFAULT_MODEL = "tiny-llada"
-# AsyncLane at its defaults: the fastest sampler at gen_length 256 and 512, with the
-# baselines' accuracy (experiments/results/asynclane.md).
-DEFAULT_SAMPLER = "asynclane"
-DEFAULT_SAMPLER_OPTIONS: dict[str, dict] = {"asynclane": {}}
 
 
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def sampler_options() -> dict[str, dict]:
-    """Every sampler option: name -> {"type", "help" and "defaults" (per sampler),
-    "samplers"}."""
-    from asynclane_jax.decoding.schedule import (
+def sampler_help(width: int | None = None) -> str:
+    """The sampler options as help text: one section per sampler, each option with its
+    type, help (from the schedule's docstring) and default."""
+    from asynclane_jax.decoding.registry import (
+        DEFAULT_SAMPLER,
         option_docs,
         option_fields,
         option_type,
-        registry,
+        samplers,
     )
 
-    options: dict[str, dict] = {}
-    for sampler, cls in registry().items():
+    width = width or max(60, shutil.get_terminal_size((100, 24)).columns - 2)
+    out = ["sampler options (each sampler reads its own; a value is read as the chosen "
+           f"sampler's type; default sampler: {DEFAULT_SAMPLER}):"]
+    for sampler, cls in samplers().items():
+        first = (cls.__doc__ or "").strip().splitlines()[0]
+        out += ["", f"  --sampler {sampler}: {first}"]
         docs = option_docs(cls)
         for name, field in option_fields(cls).items():
-            typ = option_type(cls, name)
-            entry = options.setdefault(name, {"type": typ, "help": {}, "samplers": [],
-                                              "defaults": {}})
-            if entry["type"] is not typ:
-                raise TypeError(f"option {name!r} has type {entry['type'].__name__} in "
-                                f"{entry['samplers']} but {typ.__name__} in {sampler}")
-            entry["samplers"].append(sampler)
-            entry["help"][sampler] = docs.get(name, "")
-            entry["defaults"][sampler] = field.default
-    return options
+            typ = option_type(cls, name).__name__.upper()
+            head = f"    --{name.replace('_', '-')} {typ}"
+            text = f"{docs.get(name, '')} (default: {field.default})"
+            out += textwrap.wrap(text, width, initial_indent=head.ljust(30) + " ",
+                                 subsequent_indent=" " * 31)
+    return "\n".join(out)
 
 
 def _add_sampler_args(p) -> None:
-    from asynclane_jax.decoding.schedule import registry
+    from asynclane_jax.decoding.registry import DEFAULT_SAMPLER, option_fields, samplers
 
-    names = registry()
-    lines = [f"{n}: {(c.__doc__ or '').strip().splitlines()[0]}" for n, c in names.items()]
+    names = samplers()
     p.add_argument("--sampler", default=None,
-                   help=f"default {DEFAULT_SAMPLER} {DEFAULT_SAMPLER_OPTIONS[DEFAULT_SAMPLER]}. "
-                        + "; ".join(lines))
+                   help=f"one of {', '.join(names)} (default {DEFAULT_SAMPLER}); its options "
+                        "are listed below")
     p.add_argument("--gen-length", type=int, default=None, help="tokens to generate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default=None, metavar="SPEC",
                    help="decode sharded over this device mesh, e.g. data=2,tensor=4 or "
                         "tensor (every device on one axis); the model is loaded straight "
                         "into its shards (see asynclane_jax.sharding)")
-    group = p.add_argument_group("sampler options (each sampler accepts its own)")
-    for name, opt in sampler_options().items():
-        defaults = ", ".join(f"{s} {d}" for s, d in opt["defaults"].items())
-        docs = set(opt["help"].values())
-        doc = (docs.pop() if len(docs) == 1 else
-               "; ".join(f"{s}: {d}" for s, d in opt["help"].items()))
-        typ = _parse_bool if opt["type"] is bool else opt["type"]
-        group.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, type=typ,
-                           default=None, metavar=opt["type"].__name__.upper(),
-                           help=f"{doc} (default: {defaults})".replace("%", "%%"))
+    # Each option name is one flag whatever samplers have it; its text is read by the
+    # chosen sampler's own field type (registry.convert_option), so two samplers may give
+    # one name different types. The help lists each sampler's options in its own section.
+    for name in sorted({n for cls in names.values() for n in option_fields(cls)}):
+        p.add_argument("--" + name.replace("_", "-"), dest="opt_" + name, default=None,
+                       metavar="VALUE", help=argparse.SUPPRESS)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = sampler_help()
 
 
 def _sampler_and_options(args) -> tuple[str, dict]:
-    from asynclane_jax.decoding.schedule import get_schedule_class
+    from asynclane_jax.decoding.registry import (
+        DEFAULT_SAMPLER,
+        convert_option,
+        get_schedule_class,
+    )
 
     sampler = args.sampler or DEFAULT_SAMPLER
-    get_schedule_class(sampler)  # an unknown name is an error before the model loads
-    opts = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-    if args.sampler is None:
-        opts = {**DEFAULT_SAMPLER_OPTIONS.get(sampler, {}), **opts}
-    return sampler, opts
+    cls = get_schedule_class(sampler)  # an unknown name is an error before the model loads
+    raw = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    return sampler, {k: convert_option(cls, k, v) for k, v in raw.items()}
 
 
 def _gen_length(args, default: int) -> int:

@@ -34,6 +34,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -270,6 +271,44 @@ def place(x, plan: ShardingPlan | None, logical):
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, plan.sharding(logical, x.shape),
                                         lambda index: x[index])
+
+
+def decode_shardings(plan: ShardingPlan, params, rows: int, length: int, operands=None):
+    """Where each argument of the decode program lives on the plan's mesh: parameters
+    by their logical names, the canvas [rows, length] by TOKENS, the per-row vectors by
+    ROWS, the PRNG key and the schedule's operands replicated.
+
+    Returns:
+      (params, canvas, pad_len, live, rng, operands) shardings.
+    """
+    replicated = plan.replicated()
+    return (plan.param_shardings(params), plan.sharding(TOKENS, (rows, length)),
+            plan.sharding(ROWS, (rows,)), plan.sharding(ROWS, (rows,)), replicated,
+            jax.tree.map(lambda _: replicated, operands))
+
+
+def place_decode_arguments(plan: ShardingPlan | None, params, canvas, pad_len, live, rng,
+                           operands=None) -> tuple:
+    """The decode program's arguments (host arrays, the same on every host) placed where
+    `decode_shardings` says; each process fills only its own devices' shards, and
+    parameters already on their shardings are not copied. Without a plan: on the default
+    device."""
+    if plan is None:
+        return (params, jnp.asarray(canvas), jnp.asarray(pad_len), jnp.asarray(live), rng,
+                jax.tree.map(jnp.asarray, operands))
+    rows, length = np.shape(canvas)
+    where = decode_shardings(plan, params, rows, length, operands)
+    if any(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding != s, params, where[0]))):
+        params = jax.device_put(params, where[0])
+
+    def put(x, target):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, target, lambda index: x[index])
+
+    key = jax.random.wrap_key_data(put(jax.random.key_data(rng), where[4]),
+                                   impl=jax.random.key_impl(rng))
+    return (params, put(canvas, where[1]), put(pad_len, where[2]), put(live, where[3]), key,
+            jax.tree.map(put, operands, where[5]))
 
 
 def to_host(tree):

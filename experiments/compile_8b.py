@@ -35,7 +35,7 @@ from flax import nnx
 
 from asynclane_jax.decoding import driver
 from asynclane_jax.decoding.api import make_schedule
-from asynclane_jax.decoding.schedule import parse_options
+from asynclane_jax.decoding.registry import parse_options
 from asynclane_jax.models import abstract_model, preset
 
 RESULTS = pathlib.Path(__file__).parent / "results"

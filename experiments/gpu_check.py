@@ -157,7 +157,7 @@ def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
 
 
 def main(argv=None) -> int:
-    from asynclane_jax.decoding import registry
+    from asynclane_jax.decoding.registry import samplers as registered
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llada-8b-instruct")
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     if args.samplers:
         samplers = [s.strip() for s in args.samplers.split(",") if s.strip()]
     else:
-        samplers = [s for s in registry() if FAMILY_ONLY.get(s, cfg.family) == cfg.family]
+        samplers = [s for s in registered() if FAMILY_ONLY.get(s, cfg.family) == cfg.family]
     report["generation"], report["skipped"] = generation_checks(
         model, cfg, samplers, args.gen_length, args.prompt_length,
         deadline=t_start + args.budget_s)

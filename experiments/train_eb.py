@@ -32,6 +32,7 @@ import numpy as np
 
 import asynclane_jax as aj
 from asynclane_jax import checkpoint
+from asynclane_jax.decoding import eb_routers as ER
 from asynclane_jax.decoding import generate
 from asynclane_jax.decoding.early_bird import EarlyBirdSchedule
 from asynclane_jax.testbed import evaluate as ev
@@ -51,7 +52,7 @@ def median_ms(fn, *args, repeats: int = 30) -> float:
     return 1e3 * float(np.median(times))
 
 
-def router_cost(model, weights: R.RouterWeights, gen_length: int, prompt_len: int) -> dict:
+def router_cost(model, weights: ER.RouterWeights, gen_length: int, prompt_len: int) -> dict:
     """Median ms per call at batch 1: the model's full forward over the canvas, the LBS
     router over the generation region, the LPS router over it (attention restricted to
     a 32-position block)."""
@@ -66,7 +67,7 @@ def router_cost(model, weights: R.RouterWeights, gen_length: int, prompt_len: in
     lps = jax.jit(lambda f, m: weights.lps_module()(f, m))
     ent = jnp.full((1, gen_length), 0.5, jnp.float32)
     top1 = jnp.zeros((1, gen_length), jnp.int32)
-    feats = jnp.full((1, gen_length, R.N_LPS_FEATURES), 0.5, jnp.float32)
+    feats = jnp.full((1, gen_length, ER.N_LPS_FEATURES), 0.5, jnp.float32)
     mask = jnp.arange(gen_length)[None] < 32
     return {"forward_ms": median_ms(fwd, params, tokens), "lbs_ms": median_ms(lbs, ent, top1),
             "lps_ms": median_ms(lps, feats, mask)}
@@ -180,7 +181,7 @@ def main(argv=None):
     # 3. traces with LBS.
     t0 = time.time()
     with_lbs = EarlyBirdSchedule(gen_length=G, lbs=True, lps=False)
-    tr2 = R.decode_traces(model, problems, with_lbs, weights=R.RouterWeights.from_modules(lbs=lbs),
+    tr2 = R.decode_traces(model, problems, with_lbs, weights=ER.RouterWeights.from_modules(lbs=lbs),
                           batch=args.trace_batch, seed=1, progress=bar)
     trace2_s = time.time() - t0
     log(f"traces 2: {len(tr2['problem'])} rows, {trace2_s:.0f}s, "
@@ -214,8 +215,8 @@ def main(argv=None):
         "lps_train": dict(vars(lps_tc), history=lps_hist),
         "training_minutes": round(train_minutes, 2),
     }
-    weights = R.RouterWeights.from_modules(lbs=lbs, lps=lps, meta=meta)
-    out_dir = R.save_routers(args.routers_to or folder, weights)
+    weights = ER.RouterWeights.from_modules(lbs=lbs, lps=lps, meta=meta)
+    out_dir = ER.save_routers(args.routers_to or folder, weights)
     log(f"saved {out_dir} ({weights.digest}); training minutes {train_minutes:.1f}")
 
     # 5. cost and a held-out check.

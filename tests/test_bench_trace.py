@@ -11,7 +11,7 @@ import asynclane_jax
 from asynclane_jax import bench
 from asynclane_jax.cli import main
 from asynclane_jax.decoding.lanes import DONE, FREE, GENERATE, LANE_KINDS, TERMINATED, LaneStats
-from asynclane_jax.decoding.schedule import registry
+from asynclane_jax.decoding.registry import samplers
 from asynclane_jax.decoding.trace import plot_decode_order, save_decode_order, shown_length
 from asynclane_jax.errors import UsageError
 from asynclane_jax.testbed import evaluate, tasks
@@ -67,8 +67,8 @@ def test_parse_spec_errors(spec, needle):
 
 def test_default_specs_are_registered():
     specs = bench.default_specs()
-    assert specs and all(s.split(":")[0] in registry() for s in specs)
-    assert ("asynclane" in specs) == ("asynclane" in registry())
+    assert specs and all(s.split(":")[0] in samplers() for s in specs)
+    assert ("asynclane" in specs) == ("asynclane" in samplers())
 
 
 def test_speedups():

@@ -100,12 +100,12 @@ def test_words_outside_the_vocabulary_are_named(model_dir, capsys):
 
 def test_every_sampler_option_is_a_flag(capsys):
     """The CLI's sampler flags come from the schedules' fields, with their docs."""
-    from asynclane_jax.decoding.schedule import option_docs, option_fields, registry
+    from asynclane_jax.decoding.registry import option_docs, option_fields, samplers
 
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    for cls in registry().values():
+    for cls in samplers().values():
         docs = option_docs(cls)
         for name in option_fields(cls):
             assert "--" + name.replace("_", "-") in help_text, name

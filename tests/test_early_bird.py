@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from asynclane_jax.decoding import eb_routers as ER
 from asynclane_jax.decoding import generate
 from asynclane_jax.decoding.early_bird import EarlyBirdSchedule, choose_block, lps_commit
 from asynclane_jax.decoding.schedule import CallOutput, Context, SamplerError
@@ -190,23 +191,23 @@ def test_options_are_validated():
 
 def _tiny_weights(tmp_path=None, V=V, d_base=6):
     emb = np.random.default_rng(0).normal(size=(V, d_base)).astype(np.float32)
-    lbs = R.LBSRouter(R.LBSConfig(vocab_size=V, d_base=d_base, d_feat=8, d_model=16,
+    lbs = ER.LBSRouter(ER.LBSConfig(vocab_size=V, d_base=d_base, d_feat=8, d_model=16,
                                   ffn=16, max_len=G), embedding=emb, rngs=nnx.Rngs(1))
-    lps = R.LPSRouter(R.LPSConfig(d_model=8, ffn=8), rngs=nnx.Rngs(2))
+    lps = ER.LPSRouter(ER.LPSConfig(d_model=8, ffn=8), rngs=nnx.Rngs(2))
     return lbs, lps
 
 
 def test_folded_lbs_equals_the_trained_router_and_round_trips(tmp_path):
     lbs, lps = _tiny_weights()
-    w = R.RouterWeights.from_modules(lbs=lbs, lps=lps, meta={"tau_psi": 0.8})
+    w = ER.RouterWeights.from_modules(lbs=lbs, lps=lps, meta={"tau_psi": 0.8})
     ent = jax.random.uniform(jax.random.key(0), (2, G))
     top1 = jax.random.randint(jax.random.key(1), (2, G), 0, V)
     np.testing.assert_allclose(w.lbs_module()(ent, top1), lbs(ent, top1), rtol=1e-5,
                                atol=1e-5)
-    R.save_routers(tmp_path, w)
-    back = R.load_routers(tmp_path)
+    ER.save_routers(tmp_path, w)
+    back = ER.load_routers(tmp_path)
     assert back == w and hash(back) == hash(w) and back.meta["tau_psi"] == 0.8
-    feats = jax.random.uniform(jax.random.key(2), (2, G, R.N_LPS_FEATURES))
+    feats = jax.random.uniform(jax.random.key(2), (2, G, ER.N_LPS_FEATURES))
     mask = jnp.arange(G)[None] < 5
     np.testing.assert_allclose(back.lps_module()(feats, mask), lps(feats, mask), rtol=1e-6)
 
@@ -249,7 +250,7 @@ def test_lbs_trains_on_text_positions_only_when_asked():
     lbs, _ = R.train_lbs(emb, traces, [0, 1], R.RouterTrainConfig(steps=2, batch=2),
                          eos_id=EOS, shape={"d_feat": 8, "d_model": 16, "ffn": 32})
     assert (lbs.cfg.d_feat, lbs.cfg.d_model, lbs.cfg.ffn, lbs.cfg.n_layers) == (8, 16, 32, 2)
-    assert R.RouterWeights.from_modules(lbs=lbs).lbs_module()(
+    assert ER.RouterWeights.from_modules(lbs=lbs).lbs_module()(
         jnp.zeros((1, 12)), jnp.zeros((1, 12), jnp.int32)).shape == (1, 12)
 
 
@@ -285,7 +286,7 @@ def test_shipped_routers_end_to_end(name, tiny_llada):
     from asynclane_jax import checkpoint
     from asynclane_jax.testbed import tasks
 
-    assert R.has_routers(checkpoint.resolve(name)), f"{name} ships no routers"
+    assert ER.has_routers(checkpoint.resolve(name)), f"{name} ships no routers"
     model = tiny_llada if name == "tiny-llada" else aj.load(name)[0]
     problems, prompts = _problems(8)
     res = generate(model, prompts, sampler="eb", gen_length=256)
@@ -295,7 +296,7 @@ def test_shipped_routers_end_to_end(name, tiny_llada):
     # The model's own routers, found by its config.
     assert pathlib.Path(res.stats.options["routers"]).resolve() == \
         pathlib.Path(checkpoint.resolve(name)).resolve()
-    assert R.load_routers(res.stats.options["routers"]).digest == \
+    assert ER.load_routers(res.stats.options["routers"]).digest == \
         res.stats.options["router_digest"]
     assert (res.stats.row_blocks >= 1).all()
     assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 4
@@ -305,3 +306,42 @@ def test_missing_routers_are_reported(tiny_llada, tmp_path):
     _, prompts = _problems(1)
     with pytest.raises(SamplerError, match="no router weights"):
         generate(tiny_llada, prompts, sampler="eb", gen_length=32, routers=str(tmp_path))
+
+
+def test_router_traces_are_the_drivers_decode(tiny_llada):
+    """decode_traces runs the driver's own step: the same rows, steps and answers as
+    `generate` with the same schedule."""
+    from asynclane_jax.testbed import tasks
+
+    problems, prompts = _problems(4)
+    sched = EarlyBirdSchedule(gen_length=64, lbs=False, lps=False)
+    traces = R.decode_traces(tiny_llada, problems, sched, batch=4)
+    res = generate(tiny_llada, prompts, sampler=sched)
+    np.testing.assert_array_equal(traces["steps"], res.stats.row_steps)
+    np.testing.assert_array_equal(traces["correct"],
+                                  [tasks.check(p, row) for p, row in zip(problems, res.tokens)])
+    assert len(traces["step"]) == res.stats.row_steps.sum()
+
+
+def test_router_weights_are_operands_not_constants(tiny_llada):
+    """Routers of one shape share a compiled program, and their values still decide."""
+    from asynclane_jax import checkpoint
+    from asynclane_jax.decoding import driver
+
+    w = ER.load_routers(checkpoint.resolve("tiny-llada"))
+    # The same shapes; an LBS head that scores every position far below 0.5, so no
+    # position is a candidate and every block falls back.
+    silent = dict(w.lbs, **{"head/bias": np.full_like(w.lbs["head/bias"], -1e4)})
+    w2 = ER.RouterWeights(w.lbs_config, silent, w.lps_config, w.lps, w.meta)
+    assert w2.digest != w.digest
+    _, prompts = _problems(4)
+    sched = EarlyBirdSchedule(gen_length=64, tau_psi=0.8)
+    before = driver.TRACE_COUNT["decode"]
+    a = generate(tiny_llada, prompts, sampler=sched.with_weights(w))
+    b = generate(tiny_llada, prompts, sampler=sched.with_weights(w2))
+    assert driver.TRACE_COUNT["decode"] - before <= 1 and not b.stats.compiled
+    assert a.stats.options["router_digest"] == w.digest
+    assert b.stats.options["router_digest"] == w2.digest
+    assert "weights" not in a.stats.options
+    assert (b.stats.row_fallbacks == b.stats.row_blocks).all()
+    assert a.stats.row_fallbacks.sum() < a.stats.row_blocks.sum()

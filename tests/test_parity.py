@@ -9,6 +9,7 @@ precision; logits must agree to 1e-4.
 
 from __future__ import annotations
 
+import chex
 import hf_reference as H
 import jax
 import jax.numpy as jnp
@@ -137,16 +138,16 @@ def test_cached_forward_matches_full_forward(family_case):
     rows = jnp.arange(b)[:, None]
     got, new_cache = forward_cached(model, tokens[rows, idx], idx, idx, cache,
                                     key_mask=jnp.ones((b, t), bool))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(full[rows, idx]), atol=1e-5)
-    # The fresh cache already held these K/V: rewriting them changes nothing.
-    np.testing.assert_allclose(np.asarray(new_cache.k), np.asarray(cache.k), atol=1e-5)
+    # The logits of the queried columns, and the cache: the fresh cache already held
+    # these K/V, so rewriting them changes nothing.
+    chex.assert_trees_all_close((got, new_cache), (full[rows, idx], cache), atol=1e-5,
+                                rtol=1e-7)
     # An unused query slot (index >= T) is dropped and does not disturb the others.
     idx2 = idx.at[:, -1].set(t)
     got2, cache2 = forward_cached(model, tokens[rows, jnp.minimum(idx2, t - 1)], idx2, idx2,
                                   cache)
-    np.testing.assert_allclose(np.asarray(got2[:, :-1]), np.asarray(full[rows, idx[:, :-1]]),
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(cache2.v), np.asarray(cache.v), atol=1e-5)
+    chex.assert_trees_all_close((got2[:, :-1], cache2), (full[rows, idx[:, :-1]], cache),
+                                atol=1e-5, rtol=1e-7)
 
 
 def test_left_padding_with_key_mask_and_shifted_positions(family_case):
@@ -163,10 +164,10 @@ def test_left_padding_with_key_mask_and_shifted_positions(family_case):
     pos = jnp.asarray(np.concatenate([positions, np.arange(padded.shape[1])[None]]))
     logits = np.asarray(forward(model, batch, positions=pos, key_mask=masks))
     alone = np.asarray(forward(model, jnp.asarray(real[None])))
-    np.testing.assert_allclose(logits[0, pad:], alone[0], atol=1e-5)
-    np.testing.assert_allclose(logits[1, :-pad], alone[0], atol=1e-5)
+    chex.assert_trees_all_close((logits[0, pad:], logits[1, :-pad]), (alone[0], alone[0]),
+                                atol=1e-5, rtol=1e-7)
     # And the reference agrees on the padded row given the same mask and positions.
     from checkpoints_convert.verify import reference_logits
 
     want = reference_logits(ref, padded, attention_mask=key_mask, position_ids=positions)
-    assert np.max(np.abs(logits[0, pad:] - want[0, pad:])) <= TOL
+    chex.assert_trees_all_close(logits[0, pad:], want[0, pad:], atol=TOL, rtol=0.0)

@@ -7,13 +7,13 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from asynclane_jax import sharding
-from asynclane_jax.decoding import driver
-from asynclane_jax.decoding.schedule import SamplerError, Schedule, get_schedule_class
+from asynclane_jax.decoding import driver, registry
+from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
+from asynclane_jax.decoding.schedule import SamplerError, Schedule
 from asynclane_jax.decoding.stats import DecodeStats
 
 # Prompt lengths are rounded up to a multiple of this, so that prompts of similar length
@@ -28,6 +28,32 @@ def batch_bucket(n: int) -> int:
     if n <= 8:
         return 1 << (n - 1).bit_length()
     return -(-n // 8) * 8
+
+
+def batch_rows(n: int, *, pad_batch: bool = True,
+               plan: sharding.ShardingPlan | None = None) -> int:
+    """Rows a decode of n prompts runs with: `batch_bucket(n)` (or n without
+    pad_batch), then up to a multiple of the plan's batch axes, so that every device
+    of them gets the same number of rows."""
+    rows = batch_bucket(n) if pad_batch else n
+    if plan is not None:
+        rows = -(-rows // plan.batch_multiple) * plan.batch_multiple
+    return rows
+
+
+def prompt_bucket(longest: int, gen_length: int, cfg, bucket: int = DEFAULT_BUCKET) -> int:
+    """P, the prompt length a decode runs with: the longest prompt rounded up to a
+    multiple of `bucket`, cut so that P + gen_length fits the model.
+
+    Raises:
+      SamplerError: the longest prompt and gen_length exceed the model's maximum
+        sequence length.
+    """
+    if longest + gen_length > cfg.max_seq_len:
+        raise SamplerError(
+            f"prompt length {longest} + gen_length {gen_length} exceeds the model's maximum "
+            f"sequence length {cfg.max_seq_len}")
+    return min(bucket_length(longest, bucket), cfg.max_seq_len - gen_length)
 
 
 @dataclasses.dataclass
@@ -49,10 +75,8 @@ class GenerationResult:
 def make_schedule(sampler: str, *, gen_length: int, **options) -> Schedule:
     """Builds and validates a sampler's schedule from its name and options; options
     left out take the schedule's defaults (None counts as left out)."""
-    cls = get_schedule_class(sampler)
     options = {k: v for k, v in options.items() if v is not None}
-    return cls.from_options(gen_length=gen_length, **options)
-
+    return registry.build(sampler, gen_length=gen_length, **options)
 
 
 def sharding_plan(model, mesh) -> sharding.ShardingPlan | None:
@@ -63,13 +87,6 @@ def sharding_plan(model, mesh) -> sharding.ShardingPlan | None:
         return mesh
     mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(model)
     return None if mesh is None else sharding.plan_for(model.cfg, mesh)
-
-
-def _replicated_key(rng, plan: sharding.ShardingPlan):
-    """The PRNG key replicated on the plan's mesh (built on every host from its data)."""
-    data = np.asarray(jax.random.key_data(rng))
-    placed = sharding.place(data, plan, (None,) * data.ndim)
-    return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(rng))
 
 
 def bucket_length(n: int, bucket: int) -> int:
@@ -94,12 +111,7 @@ def build_canvas(prompts: Sequence[Sequence[int]], gen_length: int, cfg, bucket:
         if arr.min() < 0 or arr.max() >= cfg.vocab_size:
             raise SamplerError(f"prompt {i} has token ids outside [0, {cfg.vocab_size})")
         lengths.append(len(p))
-    longest = max(lengths)
-    if longest + gen_length > cfg.max_seq_len:
-        raise SamplerError(
-            f"prompt length {longest} + gen_length {gen_length} exceeds the model's maximum "
-            f"sequence length {cfg.max_seq_len}")
-    P = min(bucket_length(longest, bucket), cfg.max_seq_len - gen_length)
+    P = prompt_bucket(max(lengths), gen_length, cfg, bucket)
     b = len(prompts)
     canvas = np.full((b, P + gen_length), cfg.mask_token_id, np.int32)
     pad_len = np.zeros((b,), np.int32)
@@ -119,7 +131,7 @@ def _cut_at_stop(ids: np.ndarray, stop_ids) -> list[int]:
     return out
 
 
-def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_length: int = 128,
+def generate(model, prompts, *, sampler: str | Schedule = DEFAULT_SAMPLER, gen_length: int = 128,
              tokenizer=None, rng=None, seed: int = 0, bucket: int = DEFAULT_BUCKET,
              pad_batch: bool = True, mesh=None, **sampler_options) -> GenerationResult:
     """Generates continuations of a batch of prompts with one compiled decode loop.
@@ -131,7 +143,7 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
       model: a DiffusionLM (e.g. from asynclane_jax.load).
       prompts: list of token-id lists (lengths may differ), or of strings when a
         tokenizer is given.
-      sampler: a registered sampler name (`asynclane_jax.decoding.registry()`), or a
+      sampler: a registered sampler name (`asynclane_jax.decoding.samplers()`), or a
         Schedule object (which then carries gen_length and every option).
       gen_length: tokens generated per prompt.
       tokenizer: optional; decodes `text` and encodes string prompts.
@@ -168,9 +180,7 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
     canvas, pad_len, P = build_canvas(prompts, gen_length, cfg, bucket)
     n = len(prompts)
     plan = sharding_plan(model, mesh)
-    rows = batch_bucket(n) if pad_batch else n
-    if plan is not None:  # every device of the batch axes gets the same number of rows
-        rows = -(-rows // plan.batch_multiple) * plan.batch_multiple
+    rows = batch_rows(n, pad_batch=pad_batch, plan=plan)
     live = np.arange(rows) < n
     if rows > n:  # padding rows copy row 0 and start finished
         canvas = np.concatenate([canvas, np.repeat(canvas[:1], rows - n, axis=0)])
@@ -178,16 +188,8 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
     if rng is None:
         rng = jax.random.key(seed)
     graphdef, params = nnx.split(model)
-    if plan is None:
-        args = (params, jnp.asarray(canvas), jnp.asarray(pad_len), jnp.asarray(live), rng)
-    else:
-        shardings = plan.param_shardings(params)
-        if any(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding != s, params, shardings))):
-            params = jax.device_put(params, shardings)
-        args = (params, sharding.place(canvas, plan, sharding.TOKENS),
-                sharding.place(pad_len, plan, sharding.ROWS),
-                sharding.place(live, plan, sharding.ROWS),
-                _replicated_key(rng, plan))
+    args = sharding.place_decode_arguments(plan, params, canvas, pad_len, live, rng,
+                                           schedule.operands())
     exe, compiled = driver.compiled_decode(graphdef, *args, schedule=schedule, plan=plan)
     t0 = time.perf_counter()
     state = jax.block_until_ready(exe.fn(*args))
@@ -203,7 +205,7 @@ def generate(model, prompts, *, sampler: str | Schedule = "asynclane", gen_lengt
              for k, v in schedule.summary(ctx, jax.device_get(state.sched)).items()}
     stats = schedule.stats_type(
         sampler=sampler,
-        options=dataclasses.asdict(schedule),
+        options=schedule.settings(),
         steps=int(row_steps.max()),
         row_steps=row_steps,
         iterations=int(state.step),

@@ -17,11 +17,14 @@ changes. Rows that only pad a batch up to its bucket start finished.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 import time
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -53,15 +56,48 @@ class DecodeState:
     sched: Any  # the schedule's own state
 
 
-def make_context(cfg, schedule: Schedule, canvas_shape, pad_len) -> Context:
+def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None) -> Context:
     b, T = canvas_shape
     return Context(batch=b, prompt_len=T - schedule.gen_length, gen_length=schedule.gen_length,
                    shift=1 if cfg.logit_shift else 0, mask_id=cfg.mask_token_id,
                    eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
-                   pad_len=pad_len)
+                   pad_len=pad_len, operands=operands)
 
 
-def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedule):
+def check_plan(schedule: Schedule, plan: Plan, b: int, where: str = "plan") -> None:
+    """Trace-time shape and dtype checks of a schedule's Plan; a wrong one fails here
+    with a message naming the schedule, not deep inside the model call."""
+    msg = f"{schedule.name or type(schedule).__name__}.{where}: Plan"
+    chex.assert_shape(plan.positions, (b, None), custom_message=f"{msg}.positions is [b, Q]")
+    chex.assert_type(plan.positions, int, custom_message=f"{msg}.positions holds columns")
+    chex.assert_shape(plan.full, (), custom_message=f"{msg}.full is one bool")
+    chex.assert_type(plan.full, bool, custom_message=f"{msg}.full is a bool")
+    chex.assert_shape(plan.serve, (b,), custom_message=f"{msg}.serve is [b]")
+    chex.assert_type(plan.serve, bool, custom_message=f"{msg}.serve is a bool mask")
+    if plan.visible is not None:
+        chex.assert_shape(plan.visible, (b,), custom_message=f"{msg}.visible is [b]")
+        chex.assert_type(plan.visible, int, custom_message=f"{msg}.visible is a column")
+    if plan.logits_at is not None:
+        chex.assert_shape(plan.logits_at, (b, None),
+                          custom_message=f"{msg}.logits_at is [b, n]")
+        chex.assert_type(plan.logits_at, int, custom_message=f"{msg}.logits_at holds indices")
+
+
+def check_update(schedule: Schedule, canvas, new_canvas, state, new_state) -> None:
+    """Trace-time checks of what a schedule's update returns: the canvas [b, T] int32 and
+    a state of the same structure, shapes and dtypes (the loop carry cannot change)."""
+    name = schedule.name or type(schedule).__name__
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        new_canvas, canvas, custom_message=f"{name}.update: the canvas stays [b, T] int32")
+    chex.assert_trees_all_equal_structs(
+        new_state, state, custom_message=f"{name}.update: the state keeps init's structure")
+    chex.assert_trees_all_equal_shapes_and_dtypes(
+        new_state, state, custom_message=f"{name}.update: the state keeps init's shapes "
+        "and dtypes")
+
+
+def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
+               schedule: Schedule, tap=None):
     """The loop's pieces: (initial DecodeState, body(state) -> state, cond(state) -> bool).
 
     `decode_loop` runs them in lax.while_loop; tests and experiments drive `body` from a
@@ -73,14 +109,19 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
       pad_len: [b] int32 left padding of each row.
       live: [b] bool, False for rows that only pad the batch (they start finished).
       rng: PRNG key.
+      operands: the schedule's arrays (`Schedule.operands()`), seen as `ctx.operands`.
       schedule: the sampler (static).
+      tap: optional stand-in for `schedule.update` with its arguments, returning
+        (canvas, state, extra) where extra is any pytree of arrays; `body` then
+        returns (state, extra). Decode traces record what a schedule saw this way,
+        through this one step (not supported with a schedule's `first_plan`).
     Returns:
       (state, body, cond).
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     b, T = canvas.shape
-    ctx = make_context(cfg, schedule, canvas.shape, pad_len)
+    ctx = make_context(cfg, schedule, canvas.shape, pad_len, operands)
     P, G = ctx.prompt_len, ctx.gen_length
     cols = jnp.arange(T, dtype=jnp.int32)[None, :]
     key_mask = cols >= pad_len[:, None]  # [b, T]
@@ -194,7 +235,9 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
                                   tokens_processed=st.tokens_processed + n,
                                   row_partial=st.row_partial + serve)
 
-    def step(st: DecodeState, plan: Plan) -> DecodeState:
+    def step(st: DecodeState, plan: Plan, where: str = "plan"):
+        """One call and its update: (state, the tap's extra or None)."""
+        check_plan(schedule, plan, b, where)
         serve = plan.serve & ~st.finished
         if use_cache:
             logits, st = jax.lax.cond(plan.full, full_call, cached_call, st, plan, serve)
@@ -206,29 +249,38 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedu
         out = CallOutput(logits=logits, targets=targets, serve=serve,
                          full=jnp.asarray(plan.full))
         key = jax.random.fold_in(st.rng, st.step)
-        canvas, sched = schedule.update(ctx, st.canvas, st.sched, out, key)
+        if tap is None:
+            (canvas, sched), extra = schedule.update(ctx, st.canvas, st.sched, out, key), None
+        else:
+            canvas, sched, extra = tap(ctx, st.canvas, st.sched, out, key)
+        check_update(schedule, st.canvas, canvas, st.sched, sched)
         canvas = jnp.where(serve[:, None], canvas, st.canvas)
         newly = (st.canvas[:, P:] == ctx.mask_id) & (canvas[:, P:] != ctx.mask_id)
         commit_step = jnp.where(newly, st.row_steps[:, None], st.commit_step)
         return st.replace(
             canvas=canvas, commit_step=commit_step, sched=sched,
             finished=st.finished | schedule.done(ctx, canvas, sched),
-            row_steps=st.row_steps + serve, step=st.step + 1)
+            row_steps=st.row_steps + serve, step=st.step + 1), extra
 
-    def body(st: DecodeState) -> DecodeState:
-        return step(st, schedule.plan(ctx, st.canvas, st.sched, ~st.finished))
+    def body(st: DecodeState):
+        st, extra = step(st, schedule.plan(ctx, st.canvas, st.sched, ~st.finished))
+        return st if tap is None else (st, extra)
 
     def cond(st: DecodeState):
         return jnp.any(~st.finished) & (st.step < max_iter)
 
     first = schedule.first_plan(ctx, state.canvas, state.sched, ~state.finished)
     if first is not None:
-        state = jax.lax.cond(jnp.any(~state.finished), step, lambda st, _: st, state, first)
+        if tap is not None:
+            raise SamplerError(f"{schedule.name}: a tap does not see the first_plan call")
+        state = jax.lax.cond(jnp.any(~state.finished),
+                             lambda st, p: step(st, p, "first_plan")[0],
+                             lambda st, _: st, state, first)
 
     return state, body, cond
 
 
-def decode_loop(graphdef, params, canvas, pad_len, live, rng, *,
+def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
                 schedule: Schedule) -> DecodeState:
     """Runs a schedule to completion in one lax.while_loop (arguments as build_loop).
 
@@ -236,14 +288,16 @@ def decode_loop(graphdef, params, canvas, pad_len, live, rng, *,
       The final DecodeState (with the cache).
     """
     TRACE_COUNT["decode"] += 1
-    state, body, cond = build_loop(graphdef, params, canvas, pad_len, live, rng,
+    state, body, cond = build_loop(graphdef, params, canvas, pad_len, live, rng, operands,
                                    schedule=schedule)
     return jax.lax.while_loop(cond, body, state)
 
 
-def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, *, schedule):
+def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
+                      schedule):
     """`decode_loop` without the K/V cache in the result: what `generate` compiles."""
-    state = decode_loop(graphdef, params, canvas, pad_len, live, rng, schedule=schedule)
+    state = decode_loop(graphdef, params, canvas, pad_len, live, rng, operands,
+                        schedule=schedule)
     return state.replace(cache=None)  # large, and not needed by the caller
 
 
@@ -253,10 +307,70 @@ class Executable:
 
     fn: Any
     compile_time: float  # seconds spent tracing, lowering and compiling
+    schedule: Schedule | None = None  # what it decodes (for `compiled_programs`)
+    shapes: tuple = ()  # (canvas [b, T], operand shapes) it was compiled for
+    uses: int = 0  # calls served from the cache after the first
 
 
-# Compiled decode programs keyed by (model structure, schedule, argument shapes).
-_EXECUTABLES: dict[Any, Executable] = {}
+class ProgramCache:
+    """Compiled decode programs keyed by (model structure, schedule, sharding plan,
+    argument shapes), least recently used first out once more than `maxsize` are held.
+    A server or an evaluation over many shape buckets keeps its working set; a long
+    session that tries many settings does not hold every program it ever built."""
+
+    def __init__(self, maxsize: int):
+        self._items: collections.OrderedDict[Any, Executable] = collections.OrderedDict()
+        self.maxsize = maxsize
+
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, n: int) -> None:
+        if int(n) < 1:
+            raise SamplerError(f"program cache size {n}: must be at least 1")
+        self._maxsize = int(n)
+        self._trim()
+
+    def get(self, key) -> Executable | None:
+        exe = self._items.get(key)
+        if exe is not None:
+            self._items.move_to_end(key)
+            exe.uses += 1
+        return exe
+
+    def put(self, key, exe: Executable) -> None:
+        self._items[key] = exe
+        self._items.move_to_end(key)
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._items) > self._maxsize:
+            self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def entries(self) -> list[Executable]:
+        """The programs held, least recently used first."""
+        return list(self._items.values())
+
+
+def _default_cache_size() -> int:
+    raw = os.environ.get("ASYNCLANE_PROGRAM_CACHE", "32")
+    try:
+        return int(raw)
+    except ValueError:
+        raise SamplerError(f"ASYNCLANE_PROGRAM_CACHE={raw!r}: expected a whole number "
+                           "of compiled programs to keep") from None
+
+
+# The compiled decode programs of this process.
+PROGRAMS = ProgramCache(_default_cache_size())
 
 
 def _abstract_key(tree) -> tuple:
@@ -265,36 +379,56 @@ def _abstract_key(tree) -> tuple:
                        for x in leaves))
 
 
-def lower_decode(graphdef, params, canvas, pad_len, live, rng, *, schedule: Schedule,
-                 plan: sharding.ShardingPlan | None = None):
+def lower_decode(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
+                 schedule: Schedule, plan: sharding.ShardingPlan | None = None):
     """The decode lowered for these arguments (arrays or ShapeDtypeStructs, placed on
     the plan's mesh when there is one), with the plan's constraints on the activations
     and the cache. `.compile()` it for the arguments' backend."""
     jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule))
     with sharding.use(plan):
-        return jitted.lower(params, canvas, pad_len, live, rng)
+        return jitted.lower(params, canvas, pad_len, live, rng, operands)
 
 
-def compiled_decode(graphdef, params, canvas, pad_len, live, rng, *,
+def compiled_decode(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
                     schedule: Schedule, plan: sharding.ShardingPlan | None = None
                     ) -> tuple[Executable, bool]:
     """The compiled program for these shapes (and sharding plan), compiling it on first
-    use.
+    use. Operands enter the key by shape and dtype only: schedules that differ only in
+    their operands' values share one program.
 
     Returns:
       (Executable, whether this call compiled it).
     """
-    key = (graphdef, schedule, plan, _abstract_key((params, canvas, pad_len, live, rng)))
-    if key in _EXECUTABLES:
-        return _EXECUTABLES[key], False
+    key = (graphdef, schedule, plan,
+           _abstract_key((params, canvas, pad_len, live, rng, operands)))
+    exe = PROGRAMS.get(key)
+    if exe is not None:
+        return exe, False
     t0 = time.perf_counter()
-    fn = lower_decode(graphdef, params, canvas, pad_len, live, rng, schedule=schedule,
-                      plan=plan).compile()
-    exe = Executable(fn=fn, compile_time=time.perf_counter() - t0)
-    _EXECUTABLES[key] = exe
+    fn = lower_decode(graphdef, params, canvas, pad_len, live, rng, operands,
+                      schedule=schedule, plan=plan).compile()
+    shapes = (tuple(canvas.shape),
+              tuple(tuple(x.shape) for x in jax.tree.leaves(operands)))
+    exe = Executable(fn=fn, compile_time=time.perf_counter() - t0, schedule=schedule,
+                     shapes=shapes)
+    PROGRAMS.put(key, exe)
     return exe, True
+
+
+def compiled_programs() -> list[dict]:
+    """What the program cache holds, least recently used first: per program the
+    sampler and its settings, the canvas shape [b, T], compile seconds and reuses."""
+    return [{"sampler": e.schedule.name or type(e.schedule).__name__,
+             "schedule": e.schedule, "canvas": e.shapes[0] if e.shapes else None,
+             "compile_time": e.compile_time, "uses": e.uses} for e in PROGRAMS.entries()]
+
+
+def set_program_cache_size(n: int) -> None:
+    """Keeps at most n compiled decode programs (default 32, or the environment's
+    ASYNCLANE_PROGRAM_CACHE); the least recently used go first."""
+    PROGRAMS.maxsize = n
 
 
 def clear_compiled() -> None:
     """Forgets every compiled decode program (they are rebuilt on next use)."""
-    _EXECUTABLES.clear()
+    PROGRAMS.clear()

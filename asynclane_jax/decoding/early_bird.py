@@ -4,7 +4,7 @@ commit rule, as one schedule (sampler "eb").
 Every call is a full forward over the whole canvas (no cache, the paper's G=512, B=32
 setting); the schedule reads the logits of every generated position. Per row:
 
-  1. Block (LBS router, testbed/routers.py). When the row has no current block, or its
+  1. Block (LBS router, eb_routers.py). When the row has no current block, or its
      block has no masks left, the LBS router scores every generated position from this
      call's logits (normalised entropy and top-1 token; a committed position enters as
      entropy 0 and its token): p = sigmoid(O). Candidates are the masked positions with
@@ -25,15 +25,15 @@ setting); the schedule reads the logits of every generated position. Per row:
      not run in a call where no block position is below it.
   3. The row is done when no generated position is masked.
 
-Router weights inside one compiled program. The schedule needs no model parameters: the
-LBS router reads the top-1 token through the frozen base embedding and a Linear, and
-the two are folded into one [V, d_feat] table stored with the router. The weights
-(0.38M numbers at the paper's shape, 55k for the testbed's smaller LBS) become
-compile-time constants. A schedule is a frozen, hashable dataclass
-and part of the compiled program's key, so it does not hold the arrays: `bind` loads
-them, keeps them in a table keyed by a digest of their bytes, and stores the folder
-and the digest in the schedule (two strings: hashable, printable, JSON-ready); equal
-weights share compiled programs, different weights never do.
+Router weights as operands of the compiled program. The schedule needs no model
+parameters: the LBS router reads the top-1 token through the frozen base embedding and
+a Linear, and the two are folded into one [V, d_feat] table stored with the router.
+`bind` loads the weights (0.38M numbers at the paper's shape, 55k for the testbed's
+smaller LBS) into a field outside the schedule's hash (`weights`), and records their
+router configs (hashed: they fix the modules' structure) and digest (reported, not
+hashed). `operands()` hands the arrays to the driver, which passes them into the
+program as arguments; `lbs_probs` / `lps_probs` rebuild the routers around them inside
+the trace. Routers of equal configs share one compiled program whatever their values.
 
 Where the weights come from. `routers=FOLDER` (a model folder holding routers/, or the
 routers folder itself); by default the routers shipped beside the shipped model whose
@@ -45,7 +45,8 @@ same config but other weights would need its own routers (pass routers=).
 Ablation switches: lbs=false never runs the LBS router (every block is the fallback:
 blocks of fallback_length consecutive masked positions, i.e. threshold decoding without
 a cache); lps=false never runs the LPS router (commit at `threshold`, else the top-1).
-The router traces of testbed/routers.py are decoded with these switches.
+The router traces of testbed/routers.py are decoded with these switches, through the
+driver's `tap` and `decide`.
 """
 
 from __future__ import annotations
@@ -59,13 +60,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from asynclane_jax import checkpoint
 from asynclane_jax.decoding import ops
+from asynclane_jax.decoding.eb_routers import (
+    LBSRouter,
+    LPSRouter,
+    RouterError,
+    RouterWeights,
+    build_module,
+    has_routers,
+    lbs_inputs,
+    load_routers,
+    lps_features,
+)
 from asynclane_jax.decoding.ops import greedy_confidence, never_the_mask
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
 from asynclane_jax.decoding.stats import DecodeStats
-
-# Router weights bound by some schedule, by digest (see the module docstring).
-_WEIGHTS: dict = {}
 
 
 @dataclasses.dataclass
@@ -139,9 +149,6 @@ def _same_architecture(a, b) -> bool:
 
 def default_router_folder(cfg) -> pathlib.Path:
     """The routers of the shipped model whose config is cfg (dtypes aside)."""
-    from asynclane_jax import checkpoint
-    from asynclane_jax.testbed import routers
-
     matches, with_routers = [], []
     for name, folder in checkpoint.shipped_registry().items():
         try:
@@ -150,14 +157,14 @@ def default_router_folder(cfg) -> pathlib.Path:
             continue
         if _same_architecture(shipped, cfg):
             matches.append(name)
-            if routers.has_routers(folder):
+            if has_routers(folder):
                 with_routers.append(folder)
     if len(with_routers) == 1:
         return with_routers[0]
     if len(with_routers) > 1:
         raise SamplerError(f"eb: several shipped models have this model's config "
                            f"({matches}); pass routers=FOLDER")
-    have = [n for n, f in checkpoint.shipped_registry().items() if routers.has_routers(f)]
+    have = [n for n, f in checkpoint.shipped_registry().items() if has_routers(f)]
     raise SamplerError(
         "eb: no router weights for this model (shipped models with routers: "
         f"{have or 'none'}); train them (experiments/train_eb.py) and pass routers=FOLDER, "
@@ -184,18 +191,25 @@ class EarlyBirdSchedule(Schedule):
 
     name = "eb"
     stats_type = EarlyBirdStats
-    structural = ("gen_length", "router_digest")
+    structural = ("gen_length", "router_configs", "router_digest", "weights")
     g_max: int = 5
     l_min: int = 8
     fallback_length: int = 32
     threshold: float = 0.9
     lbs_threshold: float = 0.5
     tau_psi: float | None = None
-    routers: str | None = None
+    # Where the weights came from; the program reads them as operands, so the folder is
+    # not part of the schedule's hash.
+    routers: str | None = dataclasses.field(default=None, compare=False)
     lbs: bool = True
     lps: bool = True
-    # Set by `bind`: the digest naming the loaded router weights (None before).
-    router_digest: str | None = None
+    # Set by `bind` / `with_weights`: the (LBSConfig, LPSConfig) of the weights (hashed:
+    # they fix the routers' structure in the program), the digest naming the weights
+    # (reported), and the weights (handed to the program by `operands`).
+    router_configs: tuple | None = None
+    router_digest: str | None = dataclasses.field(default=None, compare=False)
+    weights: RouterWeights | None = dataclasses.field(default=None, compare=False,
+                                                      repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -216,15 +230,13 @@ class EarlyBirdSchedule(Schedule):
 
     def bind(self, tokenizer, cfg) -> EarlyBirdSchedule:
         del tokenizer
-        if not self.needs_routers or self.router_digest is not None:
+        if not self.needs_routers or self.weights is not None:
             return self
-        from asynclane_jax.testbed import routers
-
         folder = (pathlib.Path(self.routers).expanduser().absolute() if self.routers
                   else default_router_folder(cfg))
         try:
-            weights = routers.load_routers(folder)
-        except routers.RouterError as e:
+            weights = load_routers(folder)
+        except RouterError as e:
             raise SamplerError(f"eb: {e}") from None
         lc = weights.lbs_config
         if (lc.vocab_size, lc.d_base) != (cfg.vocab_size, cfg.d_model):
@@ -235,36 +247,47 @@ class EarlyBirdSchedule(Schedule):
         if self.gen_length > lc.max_len:
             raise SamplerError(f"eb: gen_length={self.gen_length} exceeds the LBS "
                                f"router's {lc.max_len} positions")
-        _WEIGHTS[weights.digest] = weights
         tau = self.tau_psi if self.tau_psi is not None else weights.meta.get("tau_psi")
         if tau is None:
             raise SamplerError(f"eb: the routers in {folder} store no tau_psi; pass tau_psi=")
-        return dataclasses.replace(self, routers=str(folder), router_digest=weights.digest,
+        return dataclasses.replace(self.with_weights(weights), routers=str(folder),
                                    tau_psi=float(tau))
 
-    def _weights(self):
-        if self.router_digest is None:
+    def with_weights(self, weights: RouterWeights) -> EarlyBirdSchedule:
+        """The schedule holding these router weights (either router may be absent
+        when the schedule does not run it)."""
+        for run, arrays, which in ((self.lbs, weights.lbs, "LBS"),
+                                   (self.lps, weights.lps, "LPS")):
+            if run and arrays is None:
+                raise SamplerError(f"eb: the router weights {weights.digest} have no "
+                                   f"{which} router, and {which.lower()}=true runs it")
+        return dataclasses.replace(self, weights=weights, router_digest=weights.digest,
+                                   router_configs=(weights.lbs_config, weights.lps_config))
+
+    def _weights(self) -> RouterWeights:
+        if self.weights is None:
             raise SamplerError("eb: the schedule is not bound to its routers (generate "
                                "binds it: schedule.bind(tokenizer, cfg))")
-        if self.router_digest not in _WEIGHTS:  # bound in another process
-            from asynclane_jax.testbed import routers
+        return self.weights
 
-            weights = routers.load_routers(self.routers)
-            _WEIGHTS[weights.digest] = weights
-        if self.router_digest not in _WEIGHTS:
-            raise SamplerError(f"eb: the router weights in {self.routers} changed since "
-                               "the schedule was bound; bind it again")
-        return _WEIGHTS[self.router_digest]
+    def operands(self):
+        """{"lbs": ..., "lps": ...}: the flat arrays of the routers this schedule runs."""
+        if not self.needs_routers:
+            return None
+        w = self._weights()
+        return {name: arrays for name, run, arrays in (("lbs", self.lbs, w.lbs),
+                                                        ("lps", self.lps, w.lps)) if run}
 
     # -- the routers (tests replace these with hand-made probabilities) -----------------
-    def lbs_probs(self, weights, entropy, top1):
-        """[b, G] p = sigmoid(O) of the LBS router."""
-        return jax.nn.sigmoid((weights or self._weights()).lbs_module()(entropy, top1))
+    def lbs_probs(self, operands, entropy, top1):
+        """[b, G] p = sigmoid(O) of the LBS router (operands: `ctx.operands`)."""
+        router = build_module(LBSRouter, self.router_configs[0], operands["lbs"])
+        return jax.nn.sigmoid(router(entropy, top1))
 
-    def lps_probs(self, weights, features, block_masked):
+    def lps_probs(self, operands, features, block_masked):
         """[b, G] p_psi of the LPS router over the block's masked positions."""
-        return jax.nn.sigmoid((weights or self._weights()).lps_module()(features,
-                                                                          block_masked))
+        router = build_module(LPSRouter, self.router_configs[1], operands["lps"])
+        return jax.nn.sigmoid(router(features, block_masked))
 
     # -- what the driver asks -------------------------------------------------------------
     def max_iterations(self) -> int:
@@ -286,20 +309,17 @@ class EarlyBirdSchedule(Schedule):
         return Plan(positions=self._columns(ctx) - ctx.shift, full=jnp.asarray(True),
                     serve=live)
 
-    def decide(self, ctx: Context, canvas, state: EarlyBirdState, out: CallOutput, key,
-               weights=None):
+    def decide(self, ctx: Context, canvas, state: EarlyBirdState, out: CallOutput, key):
         """`update`, plus what the routers read (for decode traces).
 
         Args:
-          as `update`; weights: RouterWeights to use instead of the bound ones.
+          as `update`.
         Returns:
           (canvas, state, info): info holds [b, G] arrays logits ([b, G, V]), x0, conf,
           masked, lbs_entropy, lbs_top1, block_masked (the block's masked positions this
           call decided on), lps_features ([b, G, 5]), commit.
         """
         del key
-        from asynclane_jax.testbed.routers import lbs_inputs, lps_features
-
         P = ctx.prompt_len
         logits, has = out.at(self._columns(ctx))
         gen = canvas[:, P:]
@@ -312,7 +332,7 @@ class EarlyBirdSchedule(Schedule):
         if self.lbs:
             # Only when some row starts a block; the block is kept until resolved.
             p = jax.lax.cond(jnp.any(need),
-                             lambda: self.lbs_probs(weights, entropy, top1),
+                             lambda: self.lbs_probs(ctx.operands, entropy, top1),
                              lambda: jnp.zeros(masked.shape, jnp.float32))
             candidate = masked & (p > self.lbs_threshold) & ~ctx.is_stop(x0)
         else:
@@ -331,7 +351,7 @@ class EarlyBirdSchedule(Schedule):
             # p_psi decides only block positions below the threshold: when no row has
             # one, the router's answer cannot change the commit and it is not run.
             p_psi = jax.lax.cond(jnp.any(block_masked & (conf < self.threshold)),
-                                 lambda: self.lps_probs(weights, features, block_masked),
+                                 lambda: self.lps_probs(ctx.operands, features, block_masked),
                                  lambda: jnp.zeros(masked.shape, jnp.float32))
             tau = self.tau_psi if self.tau_psi is not None else math.inf
         else:

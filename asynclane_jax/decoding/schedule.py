@@ -14,24 +14,22 @@ compiled program. Each iteration of the driver's one `lax.while_loop`:
      the canvas from the logits and advances the schedule's own state;
   4. `done(ctx, canvas, state) -> [b]`: rows that are finished (never served again).
 
+A schedule that needs arrays (learned weights) returns them from `operands()`; the
+driver makes them arguments of the compiled program and the schedule reads them as
+`ctx.operands` (see `Schedule.operands`).
+
 Dream's logit shift lives in one place, `CallOutput`: the output at column q predicts
 column q + shift, for full and cached calls alike. A schedule that wants logits for
 column c plans the query c - shift and reads them back with `CallOutput.at`.
 
-Registry: a subclass that sets `name` registers itself; options, their defaults and
-their help (the CLI's included) come from its dataclass fields and the `Attributes:`
-sections of its docstrings, so adding a sampler touches one file.
+Registry (registry.py): a subclass that sets `name` is a sampler; options, their
+defaults and their help (the CLI's included) come from its dataclass fields and the
+`Attributes:` sections of its docstrings, so adding a sampler touches one file.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import json
-import pkgutil
-import re
-import typing
 from typing import Any, ClassVar
 
 import jax
@@ -101,6 +99,9 @@ class Context:
     eos_id: int
     stop_ids: tuple[int, ...]  # end-of-text tokens (EOS, end-of-turn)
     pad_len: jax.Array  # [b] int32 left padding of each row
+    # The schedule's arrays (`Schedule.operands()`), traced arguments of the program;
+    # None when it has none.
+    operands: Any = None
 
     @property
     def length(self) -> int:  # T = P + G
@@ -111,9 +112,6 @@ class Context:
         return jnp.isin(tokens, jnp.asarray(self.stop_ids, jnp.int32))
 
 
-_REGISTRY: dict[str, type[Schedule]] = {}
-
-
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Base of every sampler schedule.
@@ -122,7 +120,8 @@ class Schedule:
       gen_length: G, tokens generated per row.
     """
 
-    # Registry name (set by a concrete sampler; None: not registered).
+    # Registry name (set by a concrete sampler in its own class body; None: not
+    # registered).
     name: ClassVar[str | None] = None
     # The statistics this schedule returns (a DecodeStats, or an extension of it whose
     # extra fields `summary` fills).
@@ -131,21 +130,31 @@ class Schedule:
     structural: ClassVar[tuple[str, ...]] = ("gen_length",)
     gen_length: int
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        name = cls.__dict__.get("name")
-        if name is not None:
-            _REGISTRY[name] = cls
-
     def __post_init__(self):
         if self.gen_length <= 0:
             raise SamplerError(f"gen_length={self.gen_length}: must be positive")
 
     def bind(self, tokenizer, cfg) -> Schedule:
         """The schedule with what it needs from the tokenizer and model config resolved
-        (e.g. delimiter token ids); called by `generate` before compiling."""
+        (e.g. delimiter token ids, learned weights); called by `generate` before
+        compiling."""
         del tokenizer, cfg
         return self
+
+    def operands(self) -> Any:
+        """Arrays the compiled program takes as arguments for this schedule (a pytree
+        of numpy or jax arrays, e.g. learned weights), or None (the default).
+
+        The driver passes them into the program and the schedule reads them inside the
+        trace as `ctx.operands` (traced, never folded in as constants). Their shapes and
+        dtypes are part of the compiled program's key, their values are not: schedules
+        that differ only in these values share one program. The schedule itself is a
+        hashable key, so it keeps such arrays in a field declared
+        `dataclasses.field(default=None, compare=False, repr=False)` (out of its hash,
+        its equality and the reported options), and whatever fixes their structure
+        (layer counts, head counts) in ordinary fields.
+        """
+        return None
 
     # -- what the driver asks -------------------------------------------------------
     @property
@@ -226,92 +235,15 @@ class Schedule:
         del ctx, state
         return {}
 
-    # -- options --------------------------------------------------------------------
-    @classmethod
-    def from_options(cls, *, gen_length: int, **options) -> Schedule:
-        """Builds and validates the schedule from user options (defaults filled in)."""
-        fields = option_fields(cls)
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise SamplerError(
-                f"{cls.name}: unknown option(s) {unknown}; accepted: {sorted(fields)}")
-        try:
-            return cls(gen_length=gen_length, **options)
-        except TypeError as e:
-            raise SamplerError(f"{cls.name}: {e}") from None
+    def settings(self) -> dict:
+        """The schedule's fields as plain values (what `stats.options` reports);
+        fields declared `repr=False` (arrays held for `operands`) are left out."""
+        def plain(v):
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                return dataclasses.asdict(v)
+            if isinstance(v, (tuple, list)):
+                return type(v)(plain(x) for x in v)
+            return v
 
-
-@functools.cache
-def _import_sampler_modules() -> None:
-    """Imports each module of the decoding package once, so a new sampler file registers
-    itself without being listed anywhere."""
-    import asynclane_jax.decoding as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"{pkg.__name__}.{mod.name}")
-
-
-def registry() -> dict[str, type[Schedule]]:
-    """Every registered sampler by name."""
-    _import_sampler_modules()
-    return dict(sorted(_REGISTRY.items()))
-
-
-def get_schedule_class(name: str) -> type[Schedule]:
-    samplers = registry()
-    if name not in samplers:
-        raise SamplerError(f"unknown sampler {name!r}; available: {sorted(samplers)}")
-    return samplers[name]
-
-
-def option_fields(cls: type[Schedule]) -> dict[str, dataclasses.Field]:
-    """The user options of a schedule class: its fields except the structural ones."""
-    return {f.name: f for f in dataclasses.fields(cls) if f.name not in cls.structural}
-
-
-def option_docs(cls: type) -> dict[str, str]:
-    """Field -> help text, from the `Attributes:` sections of the class and its bases
-    (the nearest definition wins). A section is `Attributes...:` followed by lines
-    `name: text` at one indentation, continued by deeper-indented lines."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        lines = (klass.__dict__.get("__doc__") or "").splitlines()
-        heads = [i for i, line in enumerate(lines) if line.strip().startswith("Attributes")]
-        if not heads:
-            continue
-        base, current = None, None
-        for line in lines[heads[0] + 1:]:
-            if not line.strip():
-                continue
-            indent = len(line) - len(line.lstrip())
-            base = indent if base is None else base
-            m = re.match(r"(\w+):\s*(.*)$", line.strip())
-            if indent < base:
-                break
-            if indent == base and m:
-                current = m.group(1)
-                docs[current] = m.group(2)
-            elif indent > base and current:
-                docs[current] += " " + line.strip()
-    return docs
-
-
-def parse_options(pairs) -> dict:
-    """Sampler options from KEY=VALUE strings (command lines); a value that reads as
-    JSON (0.9, true, null) is taken as such, anything else as a string."""
-    options = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
-def option_type(cls: type, name: str):
-    """The scalar Python type of a field (int, float, str or bool), optional or not."""
-    hints = typing.get_type_hints(cls)
-    hint = hints[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    return args[0]
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.repr}

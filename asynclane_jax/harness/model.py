@@ -93,7 +93,7 @@ class AsyncLaneLM(lm_eval_model.LM):
         super().__init__()
         import asynclane_jax
         from asynclane_jax.decoding.api import make_schedule
-        from asynclane_jax.generate_cli import DEFAULT_SAMPLER, DEFAULT_SAMPLER_OPTIONS
+        from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 
         if isinstance(model, str):
             self.model_name = model
@@ -106,7 +106,6 @@ class AsyncLaneLM(lm_eval_model.LM):
         self.cfg = self.model.cfg
         if sampler is None:
             sampler = DEFAULT_SAMPLER
-            sampler_options = {**DEFAULT_SAMPLER_OPTIONS.get(sampler, {}), **sampler_options}
         self.sampler = sampler
         self.sampler_options = {k: v for k, v in sampler_options.items() if v is not None}
         self.gen_length = None if gen_length is None else int(gen_length)

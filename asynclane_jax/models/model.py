@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -280,6 +281,26 @@ class KVCache:
                        self.v.at[layer, rows, index].set(v.astype(self.v.dtype), mode="drop"))
 
 
+def check_call(tokens, positions, key_mask, cache, write_index, logits_index) -> None:
+    """Trace-time shape and dtype checks of a model call's arguments (see `forward`)."""
+    chex.assert_rank(tokens, 2, custom_message="forward: tokens are [b, Q]")
+    chex.assert_type(tokens, int, custom_message="forward: tokens are token ids")
+    chex.assert_equal_shape([tokens, positions],
+                            custom_message="forward: positions are [b, Q], as the tokens")
+    b = tokens.shape[0]
+    if key_mask is not None:
+        chex.assert_shape(key_mask, (b, None), custom_message="forward: key_mask is [b, T]")
+    if cache is not None:
+        chex.assert_shape(cache.k, (None, b, None, None, None),
+                          custom_message="forward: the cache is [L, b, T, K, h]")
+        if write_index is not None:
+            chex.assert_equal_shape([tokens, write_index],
+                                    custom_message="forward: write_index is [b, Q]")
+    if logits_index is not None:
+        chex.assert_shape(logits_index, (b, None),
+                          custom_message="forward: logits_index is [b, n]")
+
+
 class DiffusionLM(nnx.Module):
     """A LLaDA- or Dream-architecture mask-diffusion language model."""
 
@@ -334,6 +355,7 @@ class DiffusionLM(nnx.Module):
         Returns:
           (logits [b, Q or n, V] float32, the updated cache or None).
         """
+        check_call(tokens, positions, key_mask, cache, write_index, logits_index)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.jnp_dtype)
         x = sharding.constrain(x, sharding.ACTIVATION)
         q_block, k_block = query_block_ids(block_ids, cache, write_index)

@@ -166,7 +166,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from asynclane_jax import load
-    from asynclane_jax.decoding.schedule import parse_options
+    from asynclane_jax.decoding.registry import parse_options
 
     options = parse_options(args.option)
     model, tokenizer, _ = load(args.model)

@@ -46,7 +46,7 @@ def prompts():
 
 
 def test_every_sampler_is_covered():
-    assert {s for _, s, _ in CASES} == set(asynclane_jax.decoding.registry())
+    assert {s for _, s, _ in CASES} == set(asynclane_jax.decoding.samplers())
 
 
 @pytest.mark.parametrize("name,sampler,options", CASES,
