@@ -308,14 +308,15 @@ def restore_params(params_dir: pathlib.Path, target: dict) -> dict:
     path = params_dir.absolute()
     try:
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-            stored = ckptr.metadata(path).item_metadata.tree
+            item_metadata = ckptr.metadata(path).item_metadata
+        stored = item_metadata.tree
     except Exception as e:  # orbax raises several types for bad checkpoints
         raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
     flat_stored, flat_target = _flat(stored), _flat(target)
     _check_shapes(params_dir, flat_stored, flat_target)
     if all(isinstance(t.sharding, jax.sharding.SingleDeviceSharding)
            for t in flat_target.values()):
-        return _restore_one_device(params_dir, target)
+        return _restore_one_device(params_dir, target, use_zarr3=item_metadata.use_zarr3)
     in_flight = max(_read_bytes(flat_stored[k], t) for k, t in flat_target.items()) + 1
     restore_args = jax.tree.map(
         lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
@@ -339,7 +340,8 @@ def _aligned_empty(shape: tuple, dtype, align: int = 64) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _restore_one_device(params_dir: pathlib.Path, target: dict) -> dict:
+def _restore_one_device(params_dir: pathlib.Path, target: dict, *,
+                        use_zarr3: bool) -> dict:
     """Reads the arrays one at a time onto their (single) devices.
 
     orbax's restore reads each array into a fresh numpy buffer beside tensorstore's own
@@ -348,28 +350,27 @@ def _restore_one_device(params_dir: pathlib.Path, target: dict) -> dict:
     reads), which `jax.device_put` adopts without copying on the CPU backend and copies
     once elsewhere; the buffer is dropped before the next array is read. The host holds
     the arrays already placed plus about two of the array in flight at most.
+
+    The tensorstore specs come from orbax's public `type_handlers` (the same functions
+    its own restore uses); `use_zarr3` is the checkpoint's (its tree metadata's), and
+    OCDBT is detected from the checkpoint's files as orbax does.
     """
     import orbax.checkpoint as ocp
     import tensorstore as ts
     from etils import epath
-    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
     path = params_dir.absolute()
-    try:
-        meta = json.loads((path / "_METADATA").read_text())
-        use_ocdbt = bool(meta.get("use_ocdbt", True))
-        use_zarr3 = bool(meta.get("use_zarr3", False))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
-    context = ts_utils.get_ts_context(use_ocdbt=use_ocdbt)
+    use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(path)
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
 
     def read(keys: tuple, t: jax.ShapeDtypeStruct) -> jax.Array:
         name = ".".join(str(getattr(k, "key", k)) for k in keys)
         info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(path),
                                            is_ocdbt_checkpoint=use_ocdbt,
                                            use_zarr3=use_zarr3, ts_context=context)
-        spec = ts_utils.build_array_read_spec(info, use_ocdbt=use_ocdbt,
-                                              target_dtype=t.dtype).json
+        spec = ocp.type_handlers.get_cast_tspec_deserialize(
+            ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt),
+            ocp.RestoreArgs(dtype=t.dtype))
         try:
             store = ts.open(ts.Spec(spec), open=True, read=True, context=context).result()
             out = _aligned_empty(tuple(store.shape), t.dtype)

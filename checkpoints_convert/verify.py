@@ -78,7 +78,8 @@ def reference_config(hf_config: Mapping):
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             attention_bias=bool(hf.get("include_qkv_bias", False)), mlp_bias=False,
             tie_word_embeddings=bool(hf.get("weight_tying", False)),
-            max_position_embeddings=hf.get("max_sequence_length", 4096), hidden_act="silu")
+            max_position_embeddings=hf.get("max_sequence_length", 4096), hidden_act="silu",
+            attn_implementation="eager")
     else:
         keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
@@ -86,9 +87,8 @@ def reference_config(hf_config: Mapping):
         kwargs = {k: hf[k] for k in keys if hf.get(k) is not None}
         if hf.get("head_dim"):
             kwargs["head_dim"] = hf["head_dim"]
-        cfg = Qwen2Config(**kwargs, use_sliding_window=False)
+        cfg = Qwen2Config(**kwargs, use_sliding_window=False, attn_implementation="eager")
     cfg.is_causal = False  # the whole point: diffusion LMs attend both ways
-    cfg._attn_implementation = "eager"
     return cfg
 
 

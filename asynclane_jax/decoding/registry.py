@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import os
 import pkgutil
 import re
 import typing
@@ -30,10 +31,9 @@ DEFAULT_SAMPLER = "asynclane"
 def _import_sampler_modules() -> None:
     """Imports each module of the decoding package once, so a new sampler file registers
     itself without being listed anywhere."""
-    import asynclane_jax.decoding as pkg
-
-    for mod in pkgutil.iter_modules(pkg.__path__):
-        importlib.import_module(f"{pkg.__name__}.{mod.name}")
+    # The package's folder, read without importing the package (which imports this).
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        importlib.import_module(f"{__package__}.{mod.name}")
 
 
 def _subclasses(cls: type) -> list[type]:

@@ -4,6 +4,7 @@ and the tiny LLaDA- and Dream-style models shipped in models/ (load them by name
 
   tasks.py         problems with exact answers (math word problems, program traces)
   tokenizer.py     word-level vocabulary, saved as a Hugging Face tokenizer.json
+  words.py         the words the tasks are written in (read by tasks and tokenizer)
   train.py         LLaDA / Dream masked-diffusion objective, optax + orbax trainer
   evaluate.py      held-out exact-match accuracy through asynclane_jax.decoding.generate
                    (`from asynclane_jax.testbed.evaluate import evaluate`)

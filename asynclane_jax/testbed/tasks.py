@@ -16,7 +16,8 @@ to a value in 0..9, or a copy) and the difficulty comes from the chain of depend
                   (2) 9 - 5 = 4 x = 9 y = 4 \\n (3) 9 - 1 = 8 x = 8 y = 4 \\n
                   answer : 4
 
-Every word, number (0..99), label "(k)" and the newline is one token (see tokenizer.py).
+Every word, number (0..99), label "(k)" and the newline is one token (see tokenizer.py;
+the names, items, verbs and variables are in words.py, which both modules read).
 Each family has a fixed number of events (MATH_STEPS, CODE_STEPS), so all prompts of a
 family have the same length and the statement a working line reads sits at a fixed
 distance from that line: fetching it is a positional copy rather than a search by
@@ -33,6 +34,9 @@ import dataclasses
 import functools
 import random
 
+from asynclane_jax.testbed import tokenizer
+from asynclane_jax.testbed.words import GAIN_VERBS, ITEMS, LOSS_VERBS, NAMES, VARIABLES, label
+
 FAMILIES = ("math", "code")
 MAX_VALUE = 9  # every intermediate value stays in 0..MAX_VALUE
 MAX_OPERAND = 5
@@ -40,19 +44,9 @@ MAX_STEPS = 8  # labels (0)..(MAX_STEPS) exist in the vocabulary
 MATH_STEPS = (4, 4)  # inclusive range of events per math problem
 CODE_STEPS = (3, 3)  # inclusive range of statements per program
 
-NAMES = ("ann", "bob", "eve", "sam", "kim", "joe", "amy", "tom")
-ITEMS = ("apples", "coins", "cards", "books", "pens", "shells")
-GAIN_VERBS = ("gets", "finds", "buys", "wins")
-LOSS_VERBS = ("loses", "gives", "eats", "sells")
-VARIABLES = ("x", "y")
-
 TRAIN_SEED = 20240601
 HELDOUT_SEED = 777
 HELDOUT_POOL = 2000
-
-
-def label(i: int) -> str:
-    return f"({i})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +163,13 @@ def split(name: str, n: int) -> list[Problem]:
 def response_text(generated: str | list[str]) -> str:
     """Normalises generated text (or token strings) to whitespace-joined tokens, cut at
     the first end-of-text marker."""
-    from asynclane_jax.testbed.tokenizer import EOS
-
     if isinstance(generated, str):
         tokens = generated.replace("\n", " \n ").split(" ")
     else:
         tokens = list(generated)
     out = []
     for t in tokens:
-        if t == EOS:
+        if t == tokenizer.EOS:
             break
         if t.strip() or t == "\n":
             out.append(t if t == "\n" else t.strip())
@@ -198,9 +190,7 @@ def check(problem: Problem, generated) -> bool:
         the testbed tokenizer.
     """
     if not isinstance(generated, str) and len(generated) and not isinstance(generated[0], str):
-        from asynclane_jax.testbed.tokenizer import decode_ids
-
-        generated = decode_ids(generated)
+        generated = tokenizer.decode_ids(generated)
     lines = parse_lines(response_text(generated))
     return bool(lines) and lines[-1] == f"answer : {problem.answer}"
 
@@ -208,9 +198,7 @@ def check(problem: Problem, generated) -> bool:
 def line_accuracy(problem: Problem, generated) -> tuple[int, int]:
     """(working lines exactly right, working lines in the reference)."""
     if not isinstance(generated, str) and len(generated) and not isinstance(generated[0], str):
-        from asynclane_jax.testbed.tokenizer import decode_ids
-
-        generated = decode_ids(generated)
+        generated = tokenizer.decode_ids(generated)
     got = parse_lines(response_text(generated))
     ref = parse_lines(problem.response)
     right = sum(1 for i, r in enumerate(ref) if i < len(got) and got[i] == r)

@@ -16,7 +16,7 @@ import functools
 import json
 import pathlib
 
-from asynclane_jax.testbed import tasks
+from asynclane_jax.testbed import words as task_words
 
 EOS = "<|endoftext|>"  # end of text; also the padding token, as in LLaDA
 MASK = "<|mdm_mask|>"
@@ -37,11 +37,11 @@ def vocabulary() -> tuple[str, ...]:
     """The ordered token list; ids are positions in it (stable: never reorder)."""
     words = [NEWLINE]
     words += [str(i) for i in range(100)]
-    words += [tasks.label(i) for i in range(16)]
+    words += [task_words.label(i) for i in range(16)]
     words += ["+", "-", "=", ":", ";", ".", "?", ",", "answer", "has", "how", "many",
               "print"]
-    words += list(tasks.NAMES) + list(tasks.ITEMS) + list(tasks.GAIN_VERBS)
-    words += list(tasks.LOSS_VERBS) + list(tasks.VARIABLES)
+    words += list(task_words.NAMES) + list(task_words.ITEMS) + list(task_words.GAIN_VERBS)
+    words += list(task_words.LOSS_VERBS) + list(task_words.VARIABLES)
     return tuple(SPECIALS) + tuple(words)
 
 
