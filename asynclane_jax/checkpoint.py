@@ -261,27 +261,12 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
 
 def _param_shardings(cfg: ModelConfig, abs_state: nnx.State, mesh) -> nnx.State:
     """The sharding of every parameter: the plan's on a mesh, else the default device."""
-    if mesh is None:
-        single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return jax.tree.map(lambda v: v.replace(single), abs_state,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable))
     from asynclane_jax import sharding
 
-    if isinstance(mesh, jax.sharding.Mesh):
-        missing = [a for a in sharding.MESH_AXES if a not in mesh.axis_names]
-        if missing:
-            raise CheckpointError(
-                f"mesh {dict(mesh.shape)}: the parameters are placed by axis names "
-                f"{', '.join(sharding.MESH_AXES)}; this mesh lacks {', '.join(missing)} "
-                "(build it with sharding.make_mesh, or name its axes so)")
-    elif not isinstance(mesh, str):
-        raise CheckpointError(f"mesh {mesh!r}: expected a jax.sharding.Mesh or a spec "
-                              "such as 'data=2,tensor=4'")
     try:
-        plan = sharding.plan_for(cfg, mesh)
-        return plan.param_shardings(abs_state)
+        return sharding.param_shardings(cfg, abs_state, mesh)
     except ValueError as e:  # ShardingError and friends: name the model and the mesh
-        shown = mesh if isinstance(mesh, str) else dict(mesh.shape)
+        shown = mesh if isinstance(mesh, str) or not hasattr(mesh, "shape") else dict(mesh.shape)
         raise CheckpointError(f"cannot load {cfg.family} ({cfg.n_heads} heads, vocabulary "
                               f"{cfg.vocab_size}) on mesh {shown!r}: {e}") from e
 

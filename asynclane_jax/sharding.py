@@ -255,6 +255,31 @@ def mesh_of(model) -> Mesh | None:
     return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
 
 
+def param_shardings(cfg, state: nnx.State, mesh=None) -> nnx.State:
+    """The sharding of every parameter of a model of config cfg: by the default plan on
+    a mesh (a Mesh with this module's axis names, or a spec string), else on the first
+    local device.
+
+    Raises:
+      ShardingError: a mesh without the axis names, or neither a Mesh nor a spec.
+    """
+    if mesh is None:
+        single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda v: v.replace(single), state,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if isinstance(mesh, Mesh):
+        missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+        if missing:
+            raise ShardingError(
+                f"mesh {dict(mesh.shape)}: the parameters are placed by axis names "
+                f"{', '.join(MESH_AXES)}; this mesh lacks {', '.join(missing)} "
+                "(build it with sharding.make_mesh, or name its axes so)")
+    elif not isinstance(mesh, str):
+        raise ShardingError(f"mesh {mesh!r}: expected a jax.sharding.Mesh or a spec "
+                            "such as 'data=2,tensor=4'")
+    return plan_for(cfg, mesh).param_shardings(state)
+
+
 def shard_model(model, plan: ShardingPlan):
     """Places a model's parameters on the plan's mesh (in place; returns the model)."""
     state = nnx.state(model, nnx.Param)

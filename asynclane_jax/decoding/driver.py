@@ -96,8 +96,22 @@ def check_update(schedule: Schedule, canvas, new_canvas, state, new_state) -> No
         "and dtypes")
 
 
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What `build_loop(..., pieces=True)` gives: the initial state (no call made yet),
+    the iteration, the loop condition, the schedule's first call for chosen rows, the
+    canvas facts and the step cap."""
+
+    state: DecodeState
+    body: Any
+    cond: Any
+    first_call: Any  # (state, rows [b] bool) -> state
+    ctx: Context
+    max_iter: int
+
+
 def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-               schedule: Schedule, tap=None):
+               schedule: Schedule, tap=None, pieces: bool = False):
     """The loop's pieces: (initial DecodeState, body(state) -> state, cond(state) -> bool).
 
     `decode_loop` runs them in lax.while_loop; tests and experiments drive `body` from a
@@ -115,8 +129,10 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
         (canvas, state, extra) where extra is any pytree of arrays; `body` then
         returns (state, extra). Decode traces record what a schedule saw this way,
         through this one step (not supported with a schedule's `first_plan`).
+      pieces: return a `Loop` whose state has made no call yet (for callers that
+        decide which rows get the first call, as continuous batching does).
     Returns:
-      (state, body, cond).
+      (state after the schedule's first call, body, cond), or a Loop.
     """
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
@@ -269,15 +285,22 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     def cond(st: DecodeState):
         return jnp.any(~st.finished) & (st.step < max_iter)
 
-    first = schedule.first_plan(ctx, state.canvas, state.sched, ~state.finished)
-    if first is not None:
+    def first_call(st: DecodeState, rows):
+        """The schedule's first_plan call for `rows` [b] bool (skipped when none is
+        live, or the schedule has none)."""
+        first = schedule.first_plan(ctx, st.canvas, st.sched, rows & ~st.finished)
+        if first is None:
+            return st
         if tap is not None:
             raise SamplerError(f"{schedule.name}: a tap does not see the first_plan call")
-        state = jax.lax.cond(jnp.any(~state.finished),
-                             lambda st, p: step(st, p, "first_plan")[0],
-                             lambda st, _: st, state, first)
+        return jax.lax.cond(jnp.any(rows & ~st.finished),
+                            lambda s, p: step(s, p, "first_plan")[0],
+                            lambda s, _: s, st, first)
 
-    return state, body, cond
+    if not pieces:
+        return first_call(state, ~state.finished), body, cond
+    return Loop(state=state, body=body, cond=cond, first_call=first_call, ctx=ctx,
+                max_iter=max_iter)
 
 
 def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
@@ -299,6 +322,79 @@ def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, operands=Non
     state = decode_loop(graphdef, params, canvas, pad_len, live, rng, operands,
                         schedule=schedule)
     return state.replace(cache=None)  # large, and not needed by the caller
+
+
+def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in, retire,
+                chunk, operands=None, *, schedule: Schedule) -> DecodeState:
+    """One chunk of continuous batching over the rows of a carried DecodeState: every
+    chunk size, admission and retirement runs in this one compiled program.
+
+      1. Rows in `retire` finish (a cancelled request's slot is freed).
+      2. Rows in `admit` start over with their row of `canvas_in`: commit steps,
+         counters and the schedule's state are those of a fresh decode, their cache row
+         is zeroed, and the schedule's first call (if it has one) is made for them.
+      3. Up to `chunk` iterations of the decode loop (fewer once every row is
+         finished); a row that reaches the schedule's step cap is finished.
+
+    A row decodes as it would in `generate` (rows never see each other), whatever the
+    other rows do and whenever it was admitted.
+
+    Args:
+      graphdef, params: the split NNX model.
+      state: the slots' DecodeState (with its cache), e.g. from `serve_init`.
+      pad_len: [b] int32 left padding of each row (admitted rows' new padding).
+      admit, retire: [b] bool.
+      canvas_in: [b, T] int32; read only in admitted rows.
+      chunk: [] int32, the most iterations to run (traced: any value, one program).
+      operands: the schedule's arrays.
+      schedule: the sampler (static).
+    Returns:
+      The new DecodeState.
+    """
+    b = state.canvas.shape[0]
+    st = state.replace(finished=state.finished | retire)
+    canvas = jnp.where(admit[:, None], canvas_in, st.canvas)
+    loop = build_loop(graphdef, params, canvas, pad_len, admit | ~st.finished, st.rng,
+                      operands, schedule=schedule, pieces=True)
+    fresh = loop.state  # a fresh decode's state (its zero cache is never used)
+
+    def pick(new, old):
+        return jnp.where(admit.reshape(admit.shape + (1,) * (old.ndim - 1)), new, old)
+
+    cache = st.cache
+    if cache is not None:  # zero the admitted rows' cache in place
+        rows = jnp.where(admit, jnp.arange(b), b)
+        cache = KVCache(k=cache.k.at[:, rows].set(0, mode="drop"),
+                        v=cache.v.at[:, rows].set(0, mode="drop"))
+    st = st.replace(canvas=canvas, commit_step=pick(fresh.commit_step, st.commit_step),
+                    finished=pick(fresh.finished, st.finished),
+                    row_steps=pick(fresh.row_steps, st.row_steps),
+                    row_full=pick(fresh.row_full, st.row_full),
+                    row_partial=pick(fresh.row_partial, st.row_partial),
+                    sched=jax.tree.map(pick, fresh.sched, st.sched), cache=cache)
+    st = loop.first_call(st, admit)
+
+    def cond(carry):
+        st, i = carry
+        return jnp.any(~st.finished) & (i < chunk)
+
+    def body(carry):
+        st, i = carry
+        st = loop.body(st)
+        return st.replace(finished=st.finished | (st.row_steps >= loop.max_iter)), i + 1
+
+    st, _ = jax.lax.while_loop(cond, body, (st, jnp.zeros((), jnp.int32)))
+    return st
+
+
+def serve_init(graphdef, params, canvas, rng, operands=None, *,
+               schedule: Schedule) -> DecodeState:
+    """The carried state of `serve_chunk` before any row is admitted: every row
+    finished (a free slot), a zero cache. canvas: [b, T] int32, for the shapes."""
+    b = canvas.shape[0]
+    loop = build_loop(graphdef, params, canvas, jnp.zeros((b,), jnp.int32),
+                      jnp.zeros((b,), bool), rng, operands, schedule=schedule, pieces=True)
+    return loop.state
 
 
 @dataclasses.dataclass

@@ -1,0 +1,38 @@
+"""JAX's persistent compilation cache, so a second process with the same program loads
+it instead of compiling it.
+
+`enable(DIR)` (or the environment variable ASYNCLANE_COMPILE_CACHE=DIR, read by the
+command line) points JAX at a folder; every program is cached there whatever its
+compile time or size (JAX's defaults skip programs that compile in under a second,
+which is every program of the tiny models).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+ENV = "ASYNCLANE_COMPILE_CACHE"
+
+
+def enable(folder: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """Caches compiled programs in folder (created if missing); None: the folder named
+    by ASYNCLANE_COMPILE_CACHE, or nothing when it is unset.
+
+    Returns:
+      The folder in use, or None.
+    """
+    import jax
+
+    folder = folder or os.environ.get(ENV)
+    if not folder:
+        return None
+    path = pathlib.Path(folder).expanduser().absolute()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"compile cache {path}: cannot create it ({e.strerror})") from None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

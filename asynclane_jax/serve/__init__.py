@@ -1,0 +1,33 @@
+"""An OpenAI-compatible HTTP server over the compiled decode loop: `asynclane-jax serve`.
+
+  engine    continuous batching over the row slots of the compiled decode loop (the
+            `Engine`: submit, cancel, stats), on a thread of its own.
+  protocol  OpenAI request bodies read and checked (every field either honoured or a
+            400 naming it), and the response / stream chunk bodies.
+  app       the ASGI app (FastAPI): /v1/completions, /v1/chat/completions (streaming as
+            server-sent events), /v1/models, /health.
+  cli       the `serve` subcommand (entry point `asynclane_jax.commands`), on uvicorn.
+
+FastAPI, uvicorn and sse-starlette are optional: `pip install 'asynclane-jax[serve]'`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+INSTALL_HINT = "pip install 'asynclane-jax[serve]'"
+# Distribution name of each optional module the server imports.
+_DISTRIBUTIONS = {"fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
+                  "starlette": "fastapi", "httpx": "httpx", "openai": "openai"}
+
+
+def require(module: str):
+    """Imports an optional dependency of the server, or raises a UsageError that says how
+    to install it."""
+    from asynclane_jax.errors import UsageError
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        name = _DISTRIBUTIONS.get(module.split(".")[0], module)
+        raise UsageError(f"serving needs {name}: {INSTALL_HINT}") from None

@@ -1,0 +1,121 @@
+"""The serving engine: continuous batching over the compiled loop's row slots gives
+every request `generate`'s tokens, whatever else is in flight and whenever it was
+admitted; cancelled rows free their slot; the queue is bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import asynclane_jax as aj
+from asynclane_jax.decoding import generate
+from asynclane_jax.serve.engine import Engine, EngineError, QueueFull
+from asynclane_jax.testbed import evaluate as ev
+from asynclane_jax.testbed import tasks
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok, _ = aj.load("tiny-llada")
+    return model, tok
+
+
+class Collector:
+    """The updates of one request, and an event set when it is finished."""
+
+    def __init__(self):
+        self.updates, self.done = [], threading.Event()
+
+    def __call__(self, u):
+        self.updates.append(u)
+        if u.finished:
+            self.done.set()
+
+    @property
+    def tokens(self):
+        return [t for u in self.updates for t in u.token_ids]
+
+    @property
+    def text(self):
+        return "".join(u.text for u in self.updates)
+
+
+def _expected(model, tok, prompt, gen_length, max_tokens, **options):
+    res = generate(model, [prompt], gen_length=gen_length, tokenizer=tok, **options)
+    stop = set(model.cfg.stop_token_ids)
+    row = res.tokens[0].tolist()
+    cut = next((j for j, t in enumerate(row) if t in stop), len(row))
+    return row[:min(cut, max_tokens)], ("stop" if cut < max_tokens else "length")
+
+
+@pytest.mark.parametrize("sampler,options", [("asynclane", {}),
+                                             ("fast-dllm", {"cache": "dual"})])
+def test_requests_get_generates_tokens_under_continuous_batching(tiny, sampler, options):
+    model, tok = tiny
+    prompts = ev.prompts_for(tasks.heldout(7))
+    # Two slots and chunks of 2 iterations: requests are admitted while others are
+    # half-way through, into rows that other requests used before.
+    eng = Engine(model, tok, model_name="tiny-llada", sampler=sampler, options=options,
+                 slots=2, gen_lengths=(64,), chunk=2)
+    eng.start()
+    try:
+        max_tokens = [64, 64, 20, 64, 5, 64, 64]
+        got = [Collector() for _ in prompts]
+        for p, m, c in zip(prompts, max_tokens, got):
+            eng.submit(p, max_tokens=m, on_update=c)
+        assert all(c.done.wait(300) for c in got)
+    finally:
+        eng.shutdown()
+    for p, m, c in zip(prompts, max_tokens, got):
+        want, reason = _expected(model, tok, p, 64, m, sampler=sampler, **options)
+        assert c.tokens == want
+        assert sum(u.finished for u in c.updates) == 1 and c.updates[-1].finished
+        assert c.updates[-1].finish_reason == reason
+        assert c.updates[-1].completion_tokens == len(want)
+        assert c.text == tok.decode(want, skip_special_tokens=True)
+    # Tokens arrive in several updates (the committed prefix grows between chunks).
+    assert max(len(c.updates) for c in got) > 2
+    assert eng.stats()["slots_busy"] == 0 and eng.stats()["requests_done"] == len(prompts)
+
+
+def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
+    model, tok = tiny
+    prompts = ev.prompts_for(tasks.heldout(3))
+    eng = Engine(model, tok, model_name="tiny-llada", slots=1, gen_lengths=(64,), chunk=1,
+                 queue_size=1)
+    with pytest.raises(EngineError, match="not running"):
+        eng.submit(prompts[0], max_tokens=8, on_update=lambda u: None)
+    eng.start()
+    try:
+        first = Collector()
+        started, release = threading.Event(), threading.Event()
+
+        def hold(u):  # the first update holds the engine's thread until released
+            first(u)
+            if not started.is_set():
+                started.set()
+                release.wait(60)
+
+        h = eng.submit(prompts[0], max_tokens=64, on_update=hold)
+        assert started.wait(120) and not first.updates[0].finished  # it holds the slot
+        second = Collector()
+        eng.submit(prompts[1], max_tokens=64, on_update=second)  # waits
+        with pytest.raises(QueueFull):
+            eng.submit(prompts[2], max_tokens=64, on_update=lambda u: None)
+        h.cancel()
+        release.set()
+        assert first.done.wait(60) and first.updates[-1].finish_reason == "cancelled"
+        assert second.done.wait(120) and second.updates[-1].finish_reason == "stop"
+        with pytest.raises(EngineError, match="exceeds the largest"):
+            eng.submit(prompts[0], max_tokens=65, on_update=lambda u: None)
+        with pytest.raises(EngineError, match="at most"):
+            eng.submit(list(range(10)) * 60, max_tokens=8, on_update=lambda u: None)
+        with pytest.raises(EngineError, match="unknown option"):
+            eng.submit(prompts[0], max_tokens=8, options={"nonsense": 1},
+                       on_update=lambda u: None)
+    finally:
+        eng.shutdown()
+    assert eng.stats()["slots_busy"] == 0
+    np.testing.assert_equal(second.tokens, _expected(model, tok, prompts[1], 64, 64)[0])
