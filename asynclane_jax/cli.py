@@ -23,7 +23,7 @@ import json
 import sys
 from importlib import metadata
 
-from asynclane_jax import bench, generate_cli
+from asynclane_jax import bench, compile_cache, generate_cli
 from asynclane_jax.errors import UsageError, run_command
 from asynclane_jax.models.config import PRESETS
 
@@ -63,12 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.register(sub)
     for entry in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         entry.load()(sub)
+    for name in compile_cache.COMMANDS:
+        if name in sub.choices:
+            compile_cache.add_flag(sub.choices[name])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    return run_command(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        compile_cache.enable(getattr(args, "compile_cache", None))
+    except OSError as e:
+        print(f"asynclane-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return run_command(args)
 
 
 if __name__ == "__main__":

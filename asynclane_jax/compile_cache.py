@@ -36,3 +36,20 @@ def enable(folder: str | os.PathLike | None = None) -> pathlib.Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+# Commands whose programs the cache keeps.
+COMMANDS = ("generate", "eval", "bench", "aot", "lm-eval", "serve")
+
+
+def add_flag(parser) -> None:
+    """Adds --compile-cache DIR to a subcommand's parser (once: a command that declares
+    it itself keeps its own)."""
+    import argparse
+
+    try:
+        parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                            help="keep compiled programs in DIR, so that a later process "
+                                 f"does not compile them again (default: ${ENV})")
+    except argparse.ArgumentError:
+        pass
