@@ -188,3 +188,33 @@ def test_shipped_students_end_to_end(name):
     assert res.stats.nfe_full == 0 and res.stats.nfe_partial > 0
     assert not np.any(res.tokens == model.cfg.mask_token_id)
     assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 5
+
+
+def test_a_full_window_that_finishes_at_once_goes_on_to_the_next_block():
+    """Every in-flight block finishing in one call, with no end-of-text, does not end
+    the row (it did: the rest became end-of-text, and max_active_blocks=1 cut every
+    answer at block_length tokens); the next call caches them and adds the next block."""
+    sched, ctx = _schedule(max_active_blocks=1), _ctx()
+    state = sched.init(ctx)
+    canvas = jnp.asarray([[1, 2] + [M] * G])
+    gen, state = _step(sched, canvas, state, {j: (3, 0.99) for j in range(B)})
+    assert np.asarray(state.blocks).tolist() == [[TO_CACHE, ABSENT]]
+    assert gen.tolist() == [3] * B + [M] * B  # the tail is not end-of-text
+    assert not bool(sched.done(ctx, None, state)[0])
+    gen, state = _step(sched, jnp.asarray([[1, 2] + gen.tolist()]), state, {})
+    assert np.asarray(state.blocks).tolist() == [[CACHED, ACTIVE]]
+    assert not bool(sched.done(ctx, None, state)[0])
+
+
+def test_one_block_in_flight_decodes_answers_longer_than_a_block():
+    import asynclane_jax as aj
+    from asynclane_jax.testbed import evaluate as ev
+    from asynclane_jax.testbed import tasks
+
+    model = aj.load("tiny-llada-d2f")[0]
+    problems = [p for p in tasks.heldout(40) if p.family == "code"][:4]
+    res = generate(model, ev.prompts_for(problems), sampler="d2f", gen_length=128,
+                   max_active_blocks=1)
+    assert not res.stats.hit_step_cap
+    assert max(res.stats.generated_tokens) > 32  # not cut at the first block
+    assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 2

@@ -238,12 +238,20 @@ class D2FSchedule(Schedule):
                                                            self.decoded_token_threshold))
 
         # A row with nothing left to decode ends; blocks never added become end-of-text.
-        finished = serve & ~jnp.any(blocks == ACTIVE, axis=-1)
+        # A row whose window filled with blocks that all finished in this call, with no
+        # end-of-text, goes on: the next call writes their K/V and adds the next block.
+        finished = serve & self._ended(blocks, eos)
         absent_cols = jnp.concatenate(
             [jnp.zeros((canvas.shape[0], P), bool),
              jnp.repeat(blocks == ABSENT, B, axis=-1)], axis=-1)
         canvas = jnp.where(finished[:, None] & absent_cols, ctx.eos_id, canvas)
         return canvas, D2FState(blocks=blocks, complete=complete, eos=eos)
 
+    def _ended(self, blocks, eos):
+        """[b] bool: no block is decoding and none will be added (an end-of-text was
+        committed, or every block was added)."""
+        all_added = jnp.all(blocks != ABSENT, axis=-1)
+        return ~jnp.any(blocks == ACTIVE, axis=-1) & (eos | all_added)
+
     def done(self, ctx: Context, canvas, state: D2FState):
-        return ~jnp.any(state.blocks == ACTIVE, axis=-1)
+        return self._ended(state.blocks, state.eos)
