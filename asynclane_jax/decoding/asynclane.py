@@ -113,6 +113,352 @@ def newline_tokens(tokenizer) -> tuple[int, ...]:
     return tuple(i for i, text in enumerate(texts) if "\n" in text)
 
 
+# -- one iteration's update, phase by phase ---------------------------------------------
+# Each phase is a pure function of fixed-shape arrays: the row's generated region
+# ([b, G]), its lanes (the LaneState, [b] and [b, M]) and the static settings it reads.
+# `AsyncLaneSchedule.update` runs them in order: predictions, commit, cascade, retire,
+# fork, advance, refresh. `lanes.steps` is the iteration's row step throughout (it is
+# counted up only after the last phase).
+
+
+def text_frontier(eos, G: int, cascade: bool):
+    """[b] generated positions at and after this are the end-of-text tail.
+
+    Args:
+      eos: [b] first committed end-of-text (generated index), G if none.
+      G: generated positions per row.
+      cascade: cascading termination on; without it nothing is tail (G).
+    """
+    return jnp.minimum(eos + 1, G) if cascade else jnp.full_like(eos, G)
+
+
+def lane_members(lanes: LaneState, G: int, kinds):
+    """[b, G, M] whether generated position j lies in slot m's span [start, end) and m's
+    kind is one of `kinds`."""
+    j = jnp.arange(G)[None, :, None]
+    live = jnp.isin(lanes.kind, jnp.asarray(kinds))[:, None, :]
+    return live & (j >= lanes.start[:, None, :]) & (j < lanes.end[:, None, :])
+
+
+def scatter_predictions(ctx: Context, out: CallOutput):
+    """The call's greedy predictions, placed on the generated columns they predict.
+
+    Args:
+      ctx: the canvas facts (P, G, T, mask_id).
+      out: the call's output: logits [b, n, V], targets [b, n] (T: none), serve [b].
+    Returns:
+      pred [b, G] int32 (never the mask token), pconf [b, G] float32 its probability,
+      has [b, G] bool: the call predicted the column and serves the row (elsewhere pred
+      and pconf are 0 and must not be used).
+    """
+    P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
+    rows = jnp.arange(ctx.batch)[:, None]
+    x0, conf = ops.greedy_confidence(out.logits)
+    x0 = ops.never_the_mask(out.logits, x0, ctx.mask_id)
+    # Prompt columns and padding slots (T) go to G, which mode="drop" drops.
+    tgt = jnp.where((out.targets < T) & (out.targets >= P), out.targets - P, G)
+    pred = jnp.zeros((ctx.batch, G), jnp.int32).at[rows, tgt].set(x0, mode="drop")
+    pconf = jnp.zeros((ctx.batch, G), jnp.float32).at[rows, tgt].set(conf, mode="drop")
+    has = jnp.zeros((ctx.batch, G), bool).at[rows, tgt].set(True, mode="drop")
+    return pred, pconf, has & out.serve[:, None]
+
+
+def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier, *,
+                 block_length: int, threshold: float, relaxed_threshold: float, radius: int,
+                 lookahead: int, draft_threshold: float, refine_budget: int):
+    """Which masked positions commit this iteration, in the window and in refine lanes.
+
+    Window [win, win + B) (before the tail): every masked position with pconf >=
+    threshold; within `radius` of such an anchor, >= relaxed_threshold (only when it is
+    below threshold); with a lookahead, a position whose prediction equals its draft, at
+    min(draft_threshold, threshold); and the most confident candidate, unless a refine
+    lane still holds a mask. Refine lanes: pconf >= threshold; a lane forked at least
+    refine_budget iterations ago also commits its most confident position (ties: all
+    of them). The predictions made for the lookahead [win + B, win + B + W) become its
+    drafts; lookahead positions never commit.
+
+    Args:
+      ctx: the canvas facts (mask_id).
+      gen: [b, G] int32 generated region before this iteration.
+      pred, pconf, has: [b, G] from `scatter_predictions`.
+      lanes: LaneState (win, kind, start, end, split, steps, draft are read).
+      frontier: [b] `text_frontier` of the end-of-text before this iteration.
+      block_length .. refine_budget: the schedule's settings of those names.
+    Returns:
+      (new [b, G] int32 gen with the commits, lanes with `draft` [b, G] updated).
+    """
+    G = gen.shape[-1]
+    j = jnp.arange(G)[None, :]
+    masked = gen == ctx.mask_id
+    lo = lanes.win[:, None]
+    in_win = (j >= lo) & (j < lo + block_length) & (j < frontier[:, None])
+    member_r = lane_members(lanes, G, (REFINE,))  # [b, G, M]
+    # The forced best commit guarantees the window progress; while a refine lane is
+    # open the continuation commits only what it is sure of, and the refine lanes (which
+    # force their best after refine_budget) go first.
+    refining = jnp.any(member_r & masked[..., None], axis=(1, 2))[:, None]  # [b, 1]
+    cand = masked & in_win & has
+    c = jnp.where(cand, pconf, ops.NEG_INF)
+    top1 = cand & (j == jnp.argmax(c, axis=-1)[:, None]) & ~refining
+    ok = pconf >= threshold
+    if relaxed_threshold < threshold:  # LocalLeap's anchors (no-op when not below)
+        by_anchor = ops.near_anchor(cand & ok, radius)
+        ok = ok | (by_anchor & (pconf >= relaxed_threshold))
+    if lookahead:  # a prediction that repeats its draft is trusted at a lower bar
+        ok = ok | ((lanes.draft == pred) & (pconf >= min(draft_threshold, threshold)))
+    commit = (cand & ok) | top1
+
+    rcand = masked & has & jnp.any(member_r, axis=-1)  # [b, G]
+    lane_best = jnp.max(jnp.where(member_r & rcand[..., None], pconf[..., None], ops.NEG_INF),
+                        axis=1)  # [b, M]
+    over = (lanes.steps[:, None] - lanes.split) >= refine_budget  # [b, M]
+    is_best = jnp.any(member_r & over[:, None, :]
+                      & (pconf[..., None] >= lane_best[:, None, :]), axis=-1)  # [b, G]
+    commit = commit | (rcand & ((pconf >= threshold) | is_best))
+    new = jnp.where(commit, pred, gen)
+
+    draft = lanes.draft
+    if lookahead:
+        in_la = (j >= lo + block_length) & (j < lo + block_length + lookahead)
+        draft = jnp.where(in_la & masked & has, pred, draft)
+    return new, lanes.replace(draft=draft)
+
+
+def cascade_phase(ctx: Context, new, lanes: LaneState, *, cascade: bool):
+    """Cascading termination at the first committed end-of-text.
+
+    The earliest committed end-of-text e (this iteration's or an earlier one) is always
+    recorded. With the cascade, every position after e becomes end-of-text (ctx.eos_id),
+    a placed lane (not free, not terminated) starting at or after e + 1 is terminated
+    (death = this step unless it had died already), and one straddling e + 1 is cut to
+    end there; each counts one cut.
+
+    Args:
+      ctx: the canvas facts (mask_id, eos_id, is_stop).
+      new: [b, G] int32 generated region after the commit phase.
+      lanes: LaneState (eos, kind, start, end, death, cuts, steps are read).
+      cascade: the schedule's setting.
+    Returns:
+      (new [b, G] with the tail filled, lanes with eos [b] and (cascade) kind, end,
+      death [b, M] and cuts [b] updated).
+    """
+    G = new.shape[-1]
+    j = jnp.arange(G)[None, :]
+    is_stop = ~(new == ctx.mask_id) & ctx.is_stop(new)
+    eos = jnp.minimum(lanes.eos, jnp.min(jnp.where(is_stop, j, G), axis=-1)).astype(jnp.int32)
+    lanes = lanes.replace(eos=eos)
+    if not cascade:
+        return new, lanes
+    front = text_frontier(eos, G, cascade)[:, None]  # [b, 1]
+    new = jnp.where(j > eos[:, None], ctx.eos_id, new)
+    kind = lanes.kind
+    placed = (kind != FREE) & (kind != TERMINATED)
+    gone = placed & (lanes.start >= front)
+    cut = placed & ~gone & (lanes.end > front)
+    # A lane that finished before the end-of-text keeps the step it finished at.
+    death = jnp.where(gone & (lanes.death < 0), lanes.steps[:, None], lanes.death)
+    return new, lanes.replace(
+        kind=jnp.where(gone, TERMINATED, kind).astype(jnp.int32),
+        end=jnp.where(cut, front, lanes.end).astype(jnp.int32),
+        death=death.astype(jnp.int32),
+        cuts=(lanes.cuts + jnp.sum(gone | cut, axis=-1)).astype(jnp.int32))
+
+
+def retire_phase(ctx: Context, new, lanes: LaneState) -> LaneState:
+    """Refine lanes with no masked position left in their span are done (death = this
+    step).
+
+    Args:
+      ctx: the canvas facts (mask_id).
+      new: [b, G] int32 generated region after the cascade.
+      lanes: LaneState (kind, start, end, death, steps are read).
+    Returns:
+      lanes with kind and death [b, M] updated.
+    """
+    G = new.shape[-1]
+    member = lane_members(lanes, G, (REFINE,))  # [b, G, M]
+    finished = (lanes.kind == REFINE) & ~jnp.any(member & (new == ctx.mask_id)[..., None],
+                                                 axis=1)  # [b, M]
+    return lanes.replace(kind=jnp.where(finished, DONE, lanes.kind).astype(jnp.int32),
+                         death=jnp.where(finished, lanes.steps[:, None],
+                                         lanes.death).astype(jnp.int32))
+
+
+def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_length: int,
+               refine_window: int, stable_fraction: float, delimiter_ids: tuple[int, ...]):
+    """A committed delimiter in the window forks the generate lane.
+
+    The fork point d is the last committed delimiter in the window [win, win + B) whose
+    prefix [win, d] holds at most refine_window masks and is at least stable_fraction
+    committed, with a position left after it before the tail. A served row whose
+    generate lane is live and that has a free slot forks there: the generate lane's span
+    ends at d + 1 and it becomes a refine lane (done at once when the prefix holds no
+    mask), split at this step; the first free slot becomes the generate lane, starting
+    at d + 1 with the window, child of the old one, born this step. No fork with fewer
+    than two slots or no delimiters.
+
+    Args:
+      ctx: the canvas facts (mask_id).
+      new: [b, G] int32 generated region after the cascade.
+      lanes: LaneState (win, gen_slot, kind, start, end, parent, birth, death, split,
+        forks, steps are read).
+      frontier: [b] `text_frontier` after the cascade.
+      serve: [b] bool, the rows the call served.
+      block_length, refine_window, stable_fraction: the schedule's settings.
+      delimiter_ids: the token ids that fork (empty: no forking).
+    Returns:
+      (lanes with win, gen_slot, forks [b] and kind, start, end, parent, birth, death,
+      split [b, M] updated; fork [b] bool: the row forked).
+    """
+    b, M = lanes.kind.shape
+    if M == 1 or not delimiter_ids:
+        return lanes, jnp.zeros((b,), bool)
+    G = new.shape[-1]
+    j = jnp.arange(G)[None, :]
+    t = lanes.steps[:, None]
+    lo, front = lanes.win[:, None], frontier[:, None]
+    new_masked = new == ctx.mask_id
+    in_win = (j >= lo) & (j < lo + block_length) & (j < front)
+    delim = in_win & ~new_masked & jnp.isin(new, jnp.asarray(delimiter_ids))
+    delim = delim & (j + 1 < front)  # the new lane must have a position to start at
+    masks_upto = jnp.cumsum(in_win & new_masked, axis=-1)  # masks in [win, j]
+    length = (j - lo + 1).astype(jnp.float32)
+    stable = (masks_upto <= refine_window) & (1.0 - masks_upto / length >= stable_fraction)
+    d = jnp.max(jnp.where(delim & stable, j, -1), axis=-1)  # [b], -1: no fork point
+
+    kind = lanes.kind
+    g = lanes.gen_slot[:, None]
+    gen_live = jnp.take_along_axis(kind, g, axis=1)[:, 0] == GENERATE
+    free = kind == FREE
+    new_slot = jnp.argmax(free, axis=-1)  # slots are taken in order, never reused
+    fork = serve & gen_live & (d >= 0) & jnp.any(free, axis=-1)
+    prefix_masks = jnp.take_along_axis(masks_upto, jnp.maximum(d, 0)[:, None], 1)[:, 0]
+    slots = jnp.arange(M)[None, :]
+    at_g = (slots == g) & fork[:, None]
+    at_n = (slots == new_slot[:, None]) & fork[:, None]
+    kind = jnp.where(at_g, jnp.where(prefix_masks > 0, REFINE, DONE)[:, None], kind)
+    kind = jnp.where(at_n, GENERATE, kind)
+    return lanes.replace(
+        kind=kind.astype(jnp.int32),
+        start=jnp.where(at_n, (d + 1)[:, None], lanes.start).astype(jnp.int32),
+        end=jnp.where(at_g, (d + 1)[:, None], lanes.end).astype(jnp.int32),
+        parent=jnp.where(at_n, g, lanes.parent).astype(jnp.int32),
+        birth=jnp.where(at_n, t, lanes.birth).astype(jnp.int32),
+        death=jnp.where(at_g & (prefix_masks == 0)[:, None], t, lanes.death).astype(jnp.int32),
+        split=jnp.where(at_g, t, lanes.split).astype(jnp.int32),
+        win=jnp.where(fork, d + 1, lanes.win).astype(jnp.int32),
+        gen_slot=jnp.where(fork, new_slot, lanes.gen_slot).astype(jnp.int32),
+        forks=(lanes.forks + fork).astype(jnp.int32)), fork
+
+
+def advance_phase(ctx: Context, new, lanes: LaneState, frontier, serve, fork, *,
+                  block_length: int):
+    """The window moves on, and the generate lane's span follows it.
+
+    A served row whose generate lane is live, that did not fork, and whose window (up
+    to the tail) holds no mask moves its window by B. The generate lane is then done
+    when its window starts at or past the tail or nothing from it on is masked: its
+    span ends at the tail. Otherwise a live generate lane's span ends at
+    min(win + B, tail). peak counts the live lanes (generate and refine) afterwards.
+
+    Args:
+      ctx: the canvas facts (mask_id).
+      new: [b, G] int32 generated region after the cascade.
+      lanes: LaneState after the fork (win, gen_slot, kind, end, death, peak, steps).
+      frontier: [b] `text_frontier` after the cascade.
+      serve: [b] bool, the rows the call served.
+      fork: [b] bool from `fork_phase`.
+      block_length: B.
+    Returns:
+      (lanes with win, peak [b] and kind, end, death [b, M] updated; advance [b] bool:
+      the window moved; gen_done [b] bool: the generate lane finished here).
+    """
+    M = lanes.kind.shape[-1]
+    G = new.shape[-1]
+    j = jnp.arange(G)[None, :]
+    new_masked = new == ctx.mask_id
+    front = frontier[:, None]
+    g = lanes.gen_slot[:, None]
+    kind = lanes.kind
+    gen_live = jnp.take_along_axis(kind, g, axis=1)[:, 0] == GENERATE
+    w = lanes.win[:, None]
+    win_masks = jnp.any((j >= w) & (j < w + block_length) & (j < front) & new_masked, axis=-1)
+    advance = serve & gen_live & ~fork & ~win_masks
+    win = jnp.where(advance, lanes.win + block_length, lanes.win)
+    # The generate lane is done when nothing from its window on is masked.
+    rest = jnp.any((j >= win[:, None]) & (j < front) & new_masked, axis=-1)
+    gen_done = gen_live & ((win >= frontier) | ~rest)
+    at_gen = jnp.arange(M)[None, :] == g
+    ends = at_gen & gen_done[:, None]
+    kind = jnp.where(ends, DONE, kind)
+    end = jnp.where(at_gen & (kind == GENERATE), jnp.minimum(win + block_length, frontier)[:, None],
+                    lanes.end)
+    end = jnp.where(ends, front, end)
+    active = jnp.sum((kind == GENERATE) | (kind == REFINE), axis=-1)
+    return lanes.replace(
+        win=win.astype(jnp.int32), kind=kind.astype(jnp.int32), end=end.astype(jnp.int32),
+        death=jnp.where(ends, lanes.steps[:, None], lanes.death).astype(jnp.int32),
+        peak=jnp.maximum(lanes.peak, active).astype(jnp.int32)), advance, gen_done
+
+
+def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
+                  gen_done, *, block_length: int, refresh_every: int,
+                  refresh_at_advance: bool, horizon: int, tail_hidden: bool) -> LaneState:
+    """Cache bookkeeping: which cached K/V are current, and whether the next call of a
+    row must be a full forward.
+
+    A generated column is fresh when this call encoded it (a full forward encodes every
+    column) or it was fresh, and its token did not change (a commit makes it dirty: its
+    cached K/V were computed from the mask). A served full forward resets since_full,
+    counts a refresh and, for a row it extended, makes the whole canvas visible. The
+    next call of a served row is a full forward when since_full reaches refresh_every
+    (if set), when the window moved on without finishing the generate lane (with
+    refresh_at_advance), or when the window nears the visible end (win + B +
+    horizon // 2 > visible; only with tail_hidden): that call also extends the view.
+
+    Args:
+      ctx: the canvas facts (P, G, T, shift).
+      gen: [b, G] int32 generated region before this iteration.
+      new: [b, G] int32 after the cascade.
+      lanes: LaneState after the advance (win, fresh, since_full, need_full, visible,
+        extend, refreshes are read).
+      out: the call's output (targets [b, n], full [], serve [b]).
+      advance, gen_done: [b] bool from `advance_phase`.
+      block_length, refresh_every, refresh_at_advance, horizon: the schedule's settings.
+      tail_hidden: the first call hid part of the canvas (the visible horizon is in use).
+    Returns:
+      lanes with fresh [b, G] and since_full, need_full, visible, extend, refreshes [b]
+      updated.
+    """
+    P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
+    rows = jnp.arange(ctx.batch)[:, None]
+    # A query at column c encodes c (the target c + shift is what it predicts).
+    enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
+    encoded = jnp.zeros((ctx.batch, G), bool).at[rows, enc].set(True, mode="drop")
+    encoded = jnp.where(out.full, True, encoded) & out.serve[:, None]
+    fresh = (lanes.fresh | encoded) & (new == gen)
+
+    full = out.serve & out.full
+    since = jnp.where(full, 0, lanes.since_full + out.serve)
+    need = jnp.zeros((ctx.batch,), bool)
+    if refresh_every:
+        need = need | (since >= refresh_every)
+    if refresh_at_advance:  # Fast-dLLM's dual cache re-encodes at each new block
+        need = need | (advance & ~gen_done)
+    shown = full & lanes.extend
+    visible = jnp.where(shown, G, lanes.visible)
+    extend = lanes.extend & ~shown
+    if tail_hidden:  # the window nears the horizon: the next call shows everything
+        near = (lanes.win + block_length + horizon // 2 > visible) & (visible < G) & ~gen_done
+        extend = jnp.where(out.serve, extend | near, extend)
+        need = need | near
+    return lanes.replace(
+        fresh=fresh, since_full=since.astype(jnp.int32),
+        need_full=jnp.where(out.serve, need, lanes.need_full),
+        visible=visible.astype(jnp.int32), extend=extend,
+        refreshes=(lanes.refreshes + full).astype(jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class AsyncLaneSchedule(Schedule):
     """AsyncLane: lanes that fork at delimiters, refine and advance at once.
@@ -273,10 +619,6 @@ class AsyncLaneSchedule(Schedule):
             return G
         return min(G, self.block_length + self.horizon)
 
-    def _frontier(self, st: LaneState, G: int):
-        """[b] generated positions at and after this are the end-of-text tail."""
-        return jnp.minimum(st.eos + 1, G) if self.cascade else jnp.full_like(st.eos, G)
-
     def _windows(self, st: LaneState, shift: int, G: int):
         """[b, G] masks of the generated columns that the window's and the lookahead's
         queries encode (a target c is queried at c - shift)."""
@@ -286,13 +628,6 @@ class AsyncLaneSchedule(Schedule):
         win_enc = (j >= win_lo - shift) & (j < win_lo + B - shift)
         la_enc = (j >= win_lo + B - shift) & (j < la_hi - shift)
         return win_enc, la_enc
-
-    def _members(self, st: LaneState, G: int, kinds):
-        """[b, G, M] whether generated position j lies in slot m's span and m's kind is
-        one of `kinds`."""
-        j = jnp.arange(G)[None, :, None]
-        live = jnp.isin(st.kind, jnp.asarray(kinds))[:, None, :]
-        return live & (j >= st.start[:, None, :]) & (j < st.end[:, None, :])
 
     # -- the schedule -----------------------------------------------------------------
     def key_bound(self, ctx: Context) -> int | None:
@@ -316,7 +651,7 @@ class AsyncLaneSchedule(Schedule):
     def plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan:
         P, G, T, s = ctx.prompt_len, ctx.gen_length, ctx.length, ctx.shift
         B, W, E = self.block_length, self.lookahead, self.extra_queries
-        frontier = self._frontier(st, G)[:, None]
+        frontier = text_frontier(st.eos, G, self.cascade)[:, None]
         gen = canvas[:, P:]
         masked = gen == ctx.mask_id
         j = jnp.arange(G)[None, :]
@@ -333,7 +668,7 @@ class AsyncLaneSchedule(Schedule):
         if E:
             win_enc, la_enc = self._windows(st, s, G)
             dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc & ~la_enc
-            refine = masked & jnp.any(self._members(st, G, (REFINE,)), axis=-1)
+            refine = masked & jnp.any(lane_members(st, G, (REFINE,)), axis=-1)
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
             score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, ops.NEG_INF))
             top, idx = jax.lax.top_k(score, min(E, G))
@@ -351,170 +686,32 @@ class AsyncLaneSchedule(Schedule):
                     visible=visible)
 
     def update(self, ctx: Context, canvas, st: LaneState, out: CallOutput, key):
+        """One iteration's commits and lane moves: the phases above, in order. The
+        cascade runs before the fork and the advance, which see the cut lanes and the
+        new frontier; the commit phase sees the frontier before it."""
         del key
-        P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
-        B, M = self.block_length, self.max_lanes
-        b = ctx.batch
-        rows = jnp.arange(b)[:, None]
-        j = jnp.arange(G)[None, :]
-        srv = out.serve[:, None]
-        t = st.steps[:, None]  # this iteration's row step, per row
-
-        # Predictions scattered onto generated columns.
-        x0, conf = ops.greedy_confidence(out.logits)
-        x0 = ops.never_the_mask(out.logits, x0, ctx.mask_id)
-        tgt = jnp.where((out.targets < T) & (out.targets >= P), out.targets - P, G)
-        pred = jnp.zeros((b, G), jnp.int32).at[rows, tgt].set(x0, mode="drop")
-        pconf = jnp.zeros((b, G), jnp.float32).at[rows, tgt].set(conf, mode="drop")
-        has = jnp.zeros((b, G), bool).at[rows, tgt].set(True, mode="drop") & srv
-
-        gen = canvas[:, P:]
-        masked = gen == ctx.mask_id
-        frontier = self._frontier(st, G)[:, None]
-        lo = st.win[:, None]
-        in_win = (j >= lo) & (j < lo + B) & (j < frontier)
-
-        # Window: threshold, draft reuse, and the most confident position, unless a
-        # refine lane is still open: then the continuation commits only what it is sure
-        # of, and the refine lanes (which force their best after refine_budget) go first.
-        member_r = self._members(st, G, (REFINE,))  # [b, G, M]
-        refining = jnp.any(member_r & masked[..., None], axis=(1, 2))[:, None]
-        cand = masked & in_win & has
-        c = jnp.where(cand, pconf, ops.NEG_INF)
-        top1 = cand & (j == jnp.argmax(c, axis=-1)[:, None]) & ~refining
-        ok = pconf >= self.threshold
-        if self.relaxed_threshold < self.threshold:  # LocalLeap's anchors
-            by_anchor = ops.near_anchor(cand & ok, self.radius)
-            ok = ok | (by_anchor & (pconf >= self.relaxed_threshold))
-        if self.lookahead:
-            ok = ok | ((st.draft == pred) & (pconf >= min(self.draft_threshold, self.threshold)))
-        commit = (cand & ok) | top1
-
-        # Refine lanes: threshold; past their budget, also their most confident position.
-        rcand = masked & has & jnp.any(member_r, axis=-1)
-        lane_best = jnp.max(jnp.where(member_r & rcand[..., None], pconf[..., None], ops.NEG_INF),
-                            axis=1)  # [b, M]
-        over = (st.steps[:, None] - st.split) >= self.refine_budget  # [b, M]
-        is_best = jnp.any(member_r & over[:, None, :]
-                          & (pconf[..., None] >= lane_best[:, None, :]), axis=-1)
-        commit = commit | (rcand & ((pconf >= self.threshold) | is_best))
-        new = jnp.where(commit, pred, gen)
-
-        # Drafts from the lookahead window.
-        if self.lookahead:
-            in_la = (j >= lo + B) & (j < lo + B + self.lookahead)
-            st = st.replace(draft=jnp.where(in_la & masked & has, pred, st.draft))
-
-        # Cascading termination.
-        is_stop = ~(new == ctx.mask_id) & ctx.is_stop(new)
-        eos = jnp.minimum(st.eos, jnp.min(jnp.where(is_stop, j, G), axis=-1))
-        kind, start, end, death = st.kind, st.start, st.end, st.death
-        cuts = st.cuts
-        frontier = self._frontier(st.replace(eos=eos), G)[:, None]
-        if self.cascade:
-            new = jnp.where(j > eos[:, None], ctx.eos_id, new)
-            front = frontier
-            placed = (kind != FREE) & (kind != TERMINATED)
-            gone = placed & (start >= front)
-            cut = placed & ~gone & (end > front)
-            cuts = cuts + jnp.sum(gone | cut, axis=-1)
-            death = jnp.where(gone & (death < 0), t, death)
-            kind = jnp.where(gone, TERMINATED, kind)
-            end = jnp.where(cut, front, end)
-
-        # The cache: served columns encoded by this call are fresh, changed ones are not.
-        enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
-        encoded = jnp.zeros((b, G), bool).at[rows, enc].set(True, mode="drop")
-        encoded = jnp.where(out.full, True, encoded) & srv
-        fresh = (st.fresh | encoded) & (new == gen)
-
-        # Refine lanes with no masks left are done.
-        new_masked = new == ctx.mask_id
-        member = self._members(st.replace(kind=kind, end=end), G, (REFINE,))
-        finished = (kind == REFINE) & ~jnp.any(member & new_masked[..., None], axis=1)
-        death = jnp.where(finished, t, death)
-        kind = jnp.where(finished, DONE, kind)
-
-        # Fork: the last committed delimiter in the window whose prefix is stable.
-        slots = jnp.arange(M)[None, :]
-        g = st.gen_slot[:, None]
-        gen_live = jnp.take_along_axis(kind, g, axis=1)[:, 0] == GENERATE
-        win = st.win
-        if self.forking:
-            in_win = (j >= lo) & (j < lo + B) & (j < frontier)
-            delim = in_win & ~new_masked & jnp.isin(new, jnp.asarray(self.delimiter_ids))
-            delim = delim & (j + 1 < frontier)
-            masks_upto = jnp.cumsum(in_win & new_masked, axis=-1)  # masks in [win, j]
-            length = (j - lo + 1).astype(jnp.float32)
-            stable = (masks_upto <= self.refine_window) & (
-                1.0 - masks_upto / length >= self.stable_fraction)
-            d = jnp.max(jnp.where(delim & stable, j, -1), axis=-1)  # [b]
-            free = kind == FREE
-            new_slot = jnp.argmax(free, axis=-1)
-            fork = out.serve & gen_live & (d >= 0) & jnp.any(free, axis=-1)
-            prefix_masks = jnp.take_along_axis(masks_upto, jnp.maximum(d, 0)[:, None], 1)[:, 0]
-            at_g = (slots == g) & fork[:, None]
-            at_n = (slots == new_slot[:, None]) & fork[:, None]
-            kind = jnp.where(at_g, jnp.where(prefix_masks > 0, REFINE, DONE)[:, None], kind)
-            death = jnp.where(at_g & (prefix_masks == 0)[:, None], t, death)
-            end = jnp.where(at_g, (d + 1)[:, None], end)
-            split = jnp.where(at_g, t, st.split)
-            kind = jnp.where(at_n, GENERATE, kind)
-            start = jnp.where(at_n, (d + 1)[:, None], start)
-            parent = jnp.where(at_n, g, st.parent)
-            birth = jnp.where(at_n, t, st.birth)
-            win = jnp.where(fork, d + 1, win)
-            gen_slot = jnp.where(fork, new_slot, st.gen_slot).astype(jnp.int32)
-            forks = st.forks + fork
-        else:
-            parent, birth, gen_slot, forks = st.parent, st.birth, st.gen_slot, st.forks
-            split = st.split
-            fork = jnp.zeros((b,), bool)
-
-        # Advance: a window with no masks left moves on by B.
-        g = gen_slot[:, None]
-        gen_live = jnp.take_along_axis(kind, g, axis=1)[:, 0] == GENERATE
-        w = win[:, None]
-        win_masks = jnp.any((j >= w) & (j < w + B) & (j < frontier) & new_masked, axis=-1)
-        advance = out.serve & gen_live & ~fork & ~win_masks
-        win = jnp.where(advance, win + B, win)
-        front = frontier[:, 0]
-        # The generate lane is done when nothing from its window on is masked.
-        rest = jnp.any((j >= win[:, None]) & (j < frontier) & new_masked, axis=-1)
-        gen_done = gen_live & ((win >= front) | ~rest)
-        at_gen = slots == g
-        kind = jnp.where(at_gen & gen_done[:, None], DONE, kind)
-        death = jnp.where(at_gen & gen_done[:, None], t, death)
-        end = jnp.where(at_gen & (kind == GENERATE),
-                        jnp.minimum(win + B, front)[:, None], end)
-        end = jnp.where(at_gen & gen_done[:, None], front[:, None], end)
-
-        active = jnp.sum((kind == GENERATE) | (kind == REFINE), axis=-1)
-        since = jnp.where(out.serve & out.full, 0, st.since_full + out.serve)
-        need = jnp.zeros((b,), bool)
-        if self.refresh_every:
-            need = need | (since >= self.refresh_every)
-        if self.refresh_at_advance:
-            need = need | (advance & ~gen_done)
-        shown = out.serve & out.full & st.extend
-        visible = jnp.where(shown, G, st.visible)
-        extend = st.extend & ~shown
-        if self._first_visible(G) < G:  # the window nears the horizon: show everything
-            near = (win + B + self.horizon // 2 > visible) & (visible < G) & ~gen_done
-            extend = jnp.where(out.serve, extend | near, extend)
-            need = need | near
-        canvas = canvas.at[:, P:].set(new)
-        return canvas, st.replace(
-            win=win.astype(jnp.int32), gen_slot=gen_slot, kind=kind.astype(jnp.int32),
-            start=start.astype(jnp.int32), end=end.astype(jnp.int32),
-            parent=parent.astype(jnp.int32), birth=birth.astype(jnp.int32),
-            death=death.astype(jnp.int32), split=split.astype(jnp.int32), fresh=fresh,
-            visible=visible.astype(jnp.int32), extend=extend, eos=eos.astype(jnp.int32),
-            need_full=jnp.where(out.serve, need, st.need_full),
-            since_full=since.astype(jnp.int32), steps=st.steps + out.serve,
-            forks=forks.astype(jnp.int32), peak=jnp.maximum(st.peak, active).astype(jnp.int32),
-            refreshes=(st.refreshes + (out.serve & out.full)).astype(jnp.int32),
-            cuts=cuts.astype(jnp.int32))
+        P, G, B = ctx.prompt_len, ctx.gen_length, self.block_length
+        gen = canvas[:, P:]  # [b, G]
+        pred, pconf, has = scatter_predictions(ctx, out)
+        new, lanes = commit_phase(
+            ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
+            block_length=B, threshold=self.threshold, relaxed_threshold=self.relaxed_threshold,
+            radius=self.radius, lookahead=self.lookahead, draft_threshold=self.draft_threshold,
+            refine_budget=self.refine_budget)
+        new, lanes = cascade_phase(ctx, new, lanes, cascade=self.cascade)
+        frontier = text_frontier(lanes.eos, G, self.cascade)
+        lanes = retire_phase(ctx, new, lanes)
+        lanes, fork = fork_phase(
+            ctx, new, lanes, frontier, out.serve, block_length=B,
+            refine_window=self.refine_window, stable_fraction=self.stable_fraction,
+            delimiter_ids=self.delimiter_ids if self.forking else ())
+        lanes, advance, gen_done = advance_phase(ctx, new, lanes, frontier, out.serve, fork,
+                                                 block_length=B)
+        lanes = refresh_phase(
+            ctx, gen, new, lanes, out, advance, gen_done, block_length=B,
+            refresh_every=self.refresh_every, refresh_at_advance=self.refresh_at_advance,
+            horizon=self.horizon, tail_hidden=self._first_visible(G) < G)
+        return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve)
 
     def done(self, ctx: Context, canvas, st: LaneState):
         return ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=-1)
