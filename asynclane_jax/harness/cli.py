@@ -9,9 +9,11 @@ The task configs are this package's (asynclane_jax/harness/tasks: testbed, gsm8k
 math500, humaneval, humaneval_instruct, mbpp) plus any folder given with --include-path;
 their data are local files (--data NAME=PATH, see asynclane_jax.harness.data). The
 output file is lm-eval's own results JSON (what `lm_eval.simple_evaluate` returns,
-serialised as lm-eval writes it, without the per-sample records) with one section
-added: "speed", per task, the sampler's tokens/s and model calls per token
-(asynclane_jax.testbed.evaluate.SpeedTally).
+serialised as lm-eval writes it, without the per-sample records) with sections added:
+"speed", per task, the sampler's tokens/s and model calls per token
+(asynclane_jax.testbed.evaluate.SpeedTally), and, when generated code ran, "sandbox":
+the isolation the programs had (asynclane_jax.harness.scoring.sandbox_report), also
+printed as one line.
 """
 
 from __future__ import annotations
@@ -161,6 +163,16 @@ def print_summary(results: dict, file=None) -> None:
             print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip(), file=file)
 
 
+def sandbox_line(report: dict) -> str:
+    """One line: how many programs ran under which isolation, and what it lacks."""
+    n = sum(report["programs"].values())
+    line = (f"asynclane-jax lm-eval: {n} generated program(s) ran in the sandbox, isolation "
+            f"{report['isolation']} ({report['detail']})")
+    if report["not_guaranteed"]:
+        line += "; NOT guaranteed: " + ", ".join(report["not_guaranteed"])
+    return line
+
+
 def dump_results(results: dict) -> str:
     """The results as lm-eval's own writer serialises them."""
     from lm_eval.utils import handle_non_serializable
@@ -206,9 +218,10 @@ def evaluate_lm(lm, task_names: list[str], *, data_paths: dict[str, str] | None 
                 log_samples: bool = False, include_paths=(), builtin: bool = False,
                 confirm_unsafe: bool = False) -> dict:
     """Runs lm-eval's simple_evaluate on an AsyncLaneLM over this package's tasks;
-    returns lm-eval's results dict with "speed" (per task) added, and the per-sample
-    records under "samples" when log_samples."""
-    from asynclane_jax.harness import TASKS_DIR, require
+    returns lm-eval's results dict with "speed" (per task) added, "sandbox" (the
+    isolation generated code ran under) when code ran, and the per-sample records under
+    "samples" when log_samples."""
+    from asynclane_jax.harness import TASKS_DIR, require, scoring
 
     evaluator = require("lm_eval.evaluator")
     task_log = logging.getLogger("lm_eval.api.task")
@@ -218,6 +231,7 @@ def evaluate_lm(lm, task_names: list[str], *, data_paths: dict[str, str] | None 
     manager = task_manager(data_paths, include_paths, builtin)
     check_tasks(task_names, manager, data_paths, num_fewshot)
     ours = {p.stem for p in TASKS_DIR.glob("*.yaml")}
+    scoring.reset_sandbox_report()
     results = evaluator.simple_evaluate(
         model=lm, tasks=task_names, num_fewshot=num_fewshot, limit=limit,
         task_manager=manager, apply_chat_template=chat, fewshot_as_multiturn=chat,
@@ -227,6 +241,9 @@ def evaluate_lm(lm, task_names: list[str], *, data_paths: dict[str, str] | None 
     config = results.setdefault("config", {})
     info = config.get("asynclane", {})
     results["speed"] = info.pop("speed", lm.speed_figures())
+    report = scoring.sandbox_report()
+    if report is not None:
+        results["sandbox"] = report
     config["model"] = "asynclane"
     config["model_args"] = {"model": lm.model_name, "sampler": lm.sampler,
                             "gen_length": lm.gen_length, **lm.sampler_options}
@@ -283,6 +300,8 @@ def run(args) -> int:
                           confirm_unsafe=args.confirm_run_unsafe_code)
     samples = results.pop("samples", None)
     print_summary(results)
+    if "sandbox" in results:
+        print(sandbox_line(results["sandbox"]), file=sys.stderr)
     if args.output:
         written = write_output(args.output, results, samples if args.log_samples else None)
         print(f"asynclane-jax lm-eval: results in {', '.join(map(str, written))}",

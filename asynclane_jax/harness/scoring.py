@@ -4,14 +4,17 @@
   gsm8k, math500   math-verify: the gold answer and the response are parsed (LaTeX and
                    plain expressions, \\boxed{}, "the answer is ...") and compared
                    symbolically.
-  humaneval, mbpp  the completion and the problem's tests run in the sandbox (a separate
-                   process with time, memory and file-system limits); pass@1 over one
-                   greedy sample. The runs happen in a filter, all of a task at once on
-                   a thread pool, before the per-document metric reads their outcome.
+  humaneval, mbpp  the completion and the problem's tests run in the sandbox (an isolated
+                   process with time, memory and process limits: asynclane_jax.harness.
+                   sandbox); a program passes only when its tests ran to their end.
+                   pass@1 over one greedy sample. The runs happen in a filter, all of a
+                   task at once on a thread pool, before the per-document metric reads
+                   their outcome; `sandbox_report()` says which isolation they had.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 
@@ -19,6 +22,8 @@ from asynclane_jax.harness import require, sandbox
 
 # Limits of each code run; `asynclane-jax lm-eval` sets them from its flags.
 SANDBOX = {"timeout": 10.0, "memory_mb": 1024, "workers": None, "progress": True}
+# Programs run since the last reset_sandbox_report(), per isolation name.
+_ISOLATIONS: collections.Counter = collections.Counter()
 
 
 # ----------------------------------------------------------------------------- testbed
@@ -97,13 +102,32 @@ def _execute(resps: list[list[str]], docs: list[dict], build, desc: str) -> list
                                timeout=SANDBOX["timeout"], memory_mb=SANDBOX["memory_mb"])
     out = [[""] * len(rs) for rs in resps]
     for (i, j), res in zip(where, results):
-        out[i][j] = json.dumps({"status": res.status, "stderr": res.stderr[-500:]})
+        _ISOLATIONS[res.isolation] += 1
+        out[i][j] = json.dumps({"status": res.status, "isolation": res.isolation,
+                                "stderr": res.stderr[-500:]})
     return out
+
+
+def reset_sandbox_report() -> None:
+    _ISOLATIONS.clear()
+
+
+def sandbox_report() -> dict | None:
+    """How the code runs since reset_sandbox_report() were isolated: {"isolation": the
+    name (several joined by ", " if they differed), "programs": {name: count}, "detail",
+    "not_guaranteed": [keys of sandbox.GUARANTEES], "missing": [...]}; None when no code
+    ran."""
+    if not _ISOLATIONS:
+        return None
+    iso = sandbox.isolation_info()
+    return {"isolation": ", ".join(sorted(_ISOLATIONS)), "programs": dict(_ISOLATIONS),
+            "detail": iso.detail, "not_guaranteed": iso.not_guaranteed,
+            "missing": list(iso.missing)}
 
 
 def execute_humaneval(resps, docs):
     """lm-eval filter: every completion with its tests through the sandbox; each response
-    becomes the JSON of its outcome ({"status", "stderr"})."""
+    becomes the JSON of its outcome ({"status", "isolation", "stderr"})."""
     return _execute(resps, docs, humaneval_program, "humaneval tests")
 
 
