@@ -6,7 +6,6 @@ of compiled programs."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,27 +22,28 @@ GEN = 8
 
 
 @pytest.fixture
-def forget_test_classes():
-    """Test classes that register a name are dropped after the test, so the registry
-    is as before."""
-    yield
-    gc.collect()
-    registry.samplers()  # raises if a test class survived
+def unregister():
+    """Classes a test registers are unregistered after it (their `name` cleared), so
+    the registry is as before whenever they are garbage-collected."""
+    made = []
+    yield made.append
+    for cls in made:
+        cls.name = None
+    registry.samplers()  # raises if a test class still holds a name
 
 
-def test_a_second_class_under_a_taken_name_is_an_error(forget_test_classes):
+def test_a_second_class_under_a_taken_name_is_an_error(unregister):
     @dataclasses.dataclass(frozen=True)
     class Impostor(VanillaSchedule):
         name = "vanilla"
 
+    unregister(Impostor)
     with pytest.raises(SamplerError, match="registered twice") as err:
         registry.samplers()
     assert "VanillaSchedule" in str(err.value) and "Impostor" in str(err.value)
-    del Impostor
 
 
-def test_two_samplers_may_give_one_option_name_different_types(forget_test_classes,
-                                                               capsys):
+def test_two_samplers_may_give_one_option_name_different_types(unregister, capsys):
     @dataclasses.dataclass(frozen=True)
     class Worded(VanillaSchedule):
         """A test sampler whose threshold is a word.
@@ -55,6 +55,7 @@ def test_two_samplers_may_give_one_option_name_different_types(forget_test_class
         name = "test-worded"
         threshold: str = "high"
 
+    unregister(Worded)
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -67,15 +68,14 @@ def test_two_samplers_may_give_one_option_name_different_types(forget_test_class
     with pytest.raises(SamplerError, match="is not a float"):
         registry.convert_option(fast, "threshold", "low")
     with pytest.raises(SamplerError, match="not an option of vanilla.*asynclane"):
-        registry.convert_option(VanillaSchedule, "horizon", "3")
-    del Worded
+        registry.convert_option(VanillaSchedule, "refine_window", "3")
 
 
 def test_cli_reads_an_option_as_the_chosen_samplers_type(capsys):
     rc = main(["generate", "--sampler", "vanilla", "--block-length", "many", "x"])
     assert rc == 2 and "'many' is not an int" in capsys.readouterr().err
-    rc = main(["generate", "--sampler", "vanilla", "--horizon", "3", "x"])
-    assert rc == 2 and "--horizon is not an option of vanilla" in capsys.readouterr().err
+    rc = main(["generate", "--sampler", "vanilla", "--refine-window", "3", "x"])
+    assert rc == 2 and "--refine-window is not an option of vanilla" in capsys.readouterr().err
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,6 +96,113 @@ def check_update(schedule: Schedule, canvas, new_canvas, state, new_state) -> No
         "and dtypes")
 
 
+class ModelCalls:
+    """The model calls of one decode: a full forward over the canvas (its K/V the cache
+    of the rows it serves, when the schedule caches) or a cached call of the planned
+    columns against the K/V of the whole canvas (their fresh K/V written in place),
+    both `DiffusionLM.forward`. Each returns (logits, state with the cache and counters
+    updated).
+
+    While every served row's view (`Plan.visible`) lies within the schedule's static
+    `key_bound`, a call reads and attends only the leading columns up to it.
+    """
+
+    def __init__(self, model, schedule: Schedule, ctx: Context, pad_len, n_live):
+        self.model, self.schedule, self.ctx = model, schedule, ctx
+        self.T = T = ctx.length
+        self.cols = jnp.arange(T, dtype=jnp.int32)[None, :]
+        self.key_mask = self.cols >= pad_len[:, None]  # [b, T]
+        self.positions = jnp.maximum(self.cols - pad_len[:, None], 0)  # each row from 0
+        self.use_cache = schedule.uses_cache
+        self.cfg_scale = float(schedule.guidance_scale)
+        if self.cfg_scale > 0 and self.use_cache:
+            raise SamplerError(f"{schedule.name}: classifier-free guidance needs cache='none'")
+        self.n_live = n_live  # [] rows counted in tokens_processed
+        self.block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
+        bound = schedule.key_bound(ctx)
+        self.bound = None if bound is None or bound >= T else bound
+
+    def keys_of(self, plan: Plan):
+        if plan.visible is None:
+            return self.key_mask
+        return self.key_mask & (self.cols < plan.visible[:, None])
+
+    def read_columns(self, plan: Plan):
+        """[b, n] canvas columns whose outputs the schedule reads (T: none)."""
+        if plan.logits_at is None:
+            return plan.positions
+        Q = plan.positions.shape[1]
+        cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
+        return jnp.where(plan.logits_at < Q, cols_at, self.T)
+
+    def bounded(self, plan: Plan, serve):
+        """Whether every served row's view lies within the schedule's key bound."""
+        if self.bound is None or plan.visible is None:
+            return None
+        return jnp.max(jnp.where(serve, plan.visible, 0)) <= self.bound
+
+    def full(self, st: DecodeState, plan: Plan, serve):
+        """Every column (re-)encoded, or only the leading `bound` columns while every
+        served row's view lies within them; logits read at the planned columns."""
+        small = self.bounded(plan, serve) if self.use_cache else None
+        if small is None:
+            return self.full_over(self.T, st, plan, serve)
+        return jax.lax.cond(small, functools.partial(self.full_over, self.bound),
+                            functools.partial(self.full_over, self.T), st, plan, serve)
+
+    def full_over(self, n: int, st: DecodeState, plan: Plan, serve):
+        """A full forward over the first n canvas columns (n = T: the whole canvas)."""
+        T, ctx, block_ids = self.T, self.ctx, self.block_ids
+        read = jnp.minimum(self.read_columns(plan), n - 1)
+        keys = self.keys_of(plan)
+        if self.cfg_scale > 0:
+            # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
+            uncond = jnp.where(self.cols < ctx.prompt_len, ctx.mask_id, st.canvas)
+            two = lambda a: jnp.concatenate([a, a], axis=0)
+            both, _ = self.model.forward(
+                jnp.concatenate([st.canvas, uncond], axis=0), two(self.positions),
+                key_mask=two(keys), logits_index=two(read),
+                block_ids=None if block_ids is None else two(block_ids))
+            cond, unc = jnp.split(both, 2, axis=0)
+            return unc + (self.cfg_scale + 1.0) * (cond - unc), st
+        write = jnp.where(serve[:, None], self.cols[:, :n], T)  # only served rows' cache
+        logits, cache = self.model.forward(
+            st.canvas[:, :n], self.positions[:, :n], key_mask=keys, cache=st.cache,
+            write_index=write if self.use_cache else None, logits_index=read,
+            key_len=n if self.use_cache and n < T else None,
+            block_ids=None if block_ids is None else block_ids[:, :n])
+        return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
+                                  tokens_processed=st.tokens_processed + self.n_live * n,
+                                  row_full=st.row_full + serve)
+
+    def cached(self, st: DecodeState, plan: Plan, serve):
+        """The planned columns against the K/V of the whole canvas."""
+        T = self.T
+        valid = plan.positions < T
+        read = jnp.minimum(plan.positions, T - 1)
+        tokens_q = jnp.take_along_axis(st.canvas, read, axis=1)
+        pos_q = jnp.take_along_axis(self.positions, read, axis=1)
+        write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
+        logits_at = (None if plan.logits_at is None else
+                     jnp.minimum(plan.logits_at, plan.positions.shape[1] - 1))
+
+        def call(key_len):
+            return lambda cache: self.model.forward(
+                tokens_q, pos_q, key_mask=self.keys_of(plan), cache=cache,
+                write_index=write, logits_index=logits_at, key_len=key_len,
+                block_ids=self.block_ids)
+
+        small = self.bounded(plan, serve)
+        if small is None:
+            logits, cache = call(None)(st.cache)
+        else:  # attend only to the leading columns while every row's view is within them
+            logits, cache = jax.lax.cond(small, call(self.bound), call(None), st.cache)
+        n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
+        return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
+                                  tokens_processed=st.tokens_processed + n,
+                                  row_partial=st.row_partial + serve)
+
+
 @dataclasses.dataclass(frozen=True)
 class Loop:
     """What `build_loop(..., pieces=True)` gives: the initial state (no call made yet),
@@ -139,15 +246,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     b, T = canvas.shape
     ctx = make_context(cfg, schedule, canvas.shape, pad_len, operands)
     P, G = ctx.prompt_len, ctx.gen_length
-    cols = jnp.arange(T, dtype=jnp.int32)[None, :]
-    key_mask = cols >= pad_len[:, None]  # [b, T]
-    positions = jnp.maximum(cols - pad_len[:, None], 0)  # [b, T]: each row starts at 0
     use_cache = schedule.uses_cache
-    cfg_scale = float(schedule.guidance_scale)
-    if cfg_scale > 0 and use_cache:
-        raise SamplerError(f"{schedule.name}: classifier-free guidance needs cache='none'")
-    n_live = jnp.sum(live).astype(jnp.int32)
-
+    calls = ModelCalls(model, schedule, ctx, pad_len, n_live=jnp.sum(live).astype(jnp.int32))
     sched0 = schedule.init(ctx)
     state = DecodeState(
         canvas=canvas,
@@ -166,101 +266,16 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     )
     max_iter = schedule.max_iterations()
 
-    def keys_of(plan: Plan):
-        if plan.visible is None:
-            return key_mask
-        return key_mask & (cols < plan.visible[:, None])
-
-    def read_columns(plan: Plan):
-        """[b, n] canvas columns whose outputs the schedule reads (T: none)."""
-        if plan.logits_at is None:
-            return plan.positions
-        Q = plan.positions.shape[1]
-        cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
-        return jnp.where(plan.logits_at < Q, cols_at, T)
-
-    block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
-    bound = schedule.key_bound(ctx)
-    if bound is not None and bound >= T:
-        bound = None
-
-    def bounded(plan: Plan, serve):
-        """Whether every served row's view lies within the schedule's key bound."""
-        if bound is None or plan.visible is None:
-            return None
-        return jnp.max(jnp.where(serve, plan.visible, 0)) <= bound
-
-    def full_call(st: DecodeState, plan: Plan, serve):
-        # Every column is (re-)encoded, or only the leading `bound` columns while every
-        # served row's view lies within them; logits are read at the planned columns.
-        small = bounded(plan, serve) if use_cache else None
-        if small is None:
-            return full_over(T, st, plan, serve)
-        return jax.lax.cond(small, functools.partial(full_over, bound),
-                            functools.partial(full_over, T), st, plan, serve)
-
-    def full_over(n: int, st: DecodeState, plan: Plan, serve):
-        """A full forward over the first n canvas columns (n = T: the whole canvas)."""
-        read = jnp.minimum(read_columns(plan), n - 1)
-        keys = keys_of(plan)
-        if cfg_scale > 0:
-            # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
-            uncond = jnp.where(cols < P, ctx.mask_id, st.canvas)
-            two = lambda a: jnp.concatenate([a, a], axis=0)
-            both, _ = model.forward(jnp.concatenate([st.canvas, uncond], axis=0),
-                                    two(positions), key_mask=two(keys),
-                                    logits_index=two(read),
-                                    block_ids=None if block_ids is None else two(block_ids))
-            cond, unc = jnp.split(both, 2, axis=0)
-            return unc + (cfg_scale + 1.0) * (cond - unc), st
-        write = jnp.where(serve[:, None], cols[:, :n], T)  # only served rows' cache changes
-        logits, cache = model.forward(st.canvas[:, :n], positions[:, :n], key_mask=keys,
-                                      cache=st.cache,
-                                      write_index=write if use_cache else None,
-                                      logits_index=read,
-                                      key_len=n if use_cache and n < T else None,
-                                      block_ids=None if block_ids is None else
-                                      block_ids[:, :n])
-        return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
-                                  tokens_processed=st.tokens_processed + n_live * n,
-                                  row_full=st.row_full + serve)
-
-    def cached_call(st: DecodeState, plan: Plan, serve):
-        valid = plan.positions < T
-        read = jnp.minimum(plan.positions, T - 1)
-        tokens_q = jnp.take_along_axis(st.canvas, read, axis=1)
-        pos_q = jnp.take_along_axis(positions, read, axis=1)
-        write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
-
-        logits_at = (None if plan.logits_at is None else
-                     jnp.minimum(plan.logits_at, plan.positions.shape[1] - 1))
-
-        def call(key_len):
-            return lambda cache: model.forward(tokens_q, pos_q, key_mask=keys_of(plan),
-                                               cache=cache, write_index=write,
-                                               logits_index=logits_at, key_len=key_len,
-                                               block_ids=block_ids)
-
-        small = bounded(plan, serve)
-        if small is None:
-            logits, cache = call(None)(st.cache)
-        else:  # attend only to the leading columns while every row's view is within them
-            logits, cache = jax.lax.cond(small, call(bound), call(None), st.cache)
-        n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
-        return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
-                                  tokens_processed=st.tokens_processed + n,
-                                  row_partial=st.row_partial + serve)
-
     def step(st: DecodeState, plan: Plan, where: str = "plan"):
         """One call and its update: (state, the tap's extra or None)."""
         check_plan(schedule, plan, b, where)
         serve = plan.serve & ~st.finished
         if use_cache:
-            logits, st = jax.lax.cond(plan.full, full_call, cached_call, st, plan, serve)
+            logits, st = jax.lax.cond(plan.full, calls.full, calls.cached, st, plan, serve)
         else:
-            logits, st = full_call(st, plan, serve)
+            logits, st = calls.full(st, plan, serve)
         # The output at column q predicts column q + shift (Dream), in every call.
-        cols = read_columns(plan)
+        cols = calls.read_columns(plan)
         targets = jnp.where(cols < T, cols + ctx.shift, T)
         out = CallOutput(logits=logits, targets=targets, serve=serve,
                          full=jnp.asarray(plan.full))
