@@ -173,7 +173,8 @@ def cycle_edges(component, edges) -> list[Edge]:
 # The layering rule: the library core never reaches up into the applications.
 CORE = ("asynclane_jax.decoding", "asynclane_jax.models")
 UPPER = ("asynclane_jax.testbed", "asynclane_jax.harness", "asynclane_jax.cli",
-         "asynclane_jax.generate_cli", "asynclane_jax.bench", "asynclane_jax.aot")
+         "asynclane_jax.generate_cli", "asynclane_jax.bench", "asynclane_jax.aot",
+         "asynclane_jax.serve")
 
 
 def _within(module: str, prefixes) -> bool:

@@ -46,6 +46,10 @@ class QueueFull(EngineError):
     """The waiting queue is at its bound."""
 
 
+class EngineStopped(EngineError):
+    """The engine is not taking requests (not started, or shutting down)."""
+
+
 @dataclasses.dataclass
 class Update:
     """What a request gained since its last update (called from the engine's thread)."""
@@ -172,8 +176,9 @@ class Engine:
       queue_size: requests waiting for a row, at most (then QueueFull).
       max_prompt: the longest prompt (tokens); default the model's maximum sequence
         length less the largest bucket.
-      prompt_lengths: the prompt buckets (default: max_prompt alone); a request's
-        prompt is left-padded to the smallest that holds it.
+      prompt_lengths: the prompt buckets (default: 128 and max_prompt, or max_prompt
+        alone when it is at most 128); a request's prompt is left-padded to the
+        smallest that holds it (every call computes every row at its pool's length).
       seed: PRNG seed of every pool (samplers that draw random numbers share one key
         per pool, so a per-request seed is not honoured).
     """
@@ -204,8 +209,9 @@ class Engine:
             raise EngineError(f"max_prompt={self.max_prompt}: the model holds "
                               f"{self.cfg.max_seq_len} tokens, so at most {room} with "
                               f"generation bucket {self.gen_lengths[-1]}")
+        default = [n for n in (128, self.max_prompt) if n <= self.max_prompt]
         self.prompt_lengths = tuple(sorted({min(int(n), self.max_prompt)
-                                            for n in (prompt_lengths or [self.max_prompt])}))
+                                            for n in (prompt_lengths or default)}))
         if self.prompt_lengths[0] < 1:
             raise EngineError(f"prompt_lengths {tuple(prompt_lengths)}: give positive lengths")
         if self.prompt_lengths[-1] < self.max_prompt:
@@ -270,8 +276,8 @@ class Engine:
                        on_update=on_update)
         with self._lock:
             if not self._accepting:
-                raise EngineError("the server is shutting down" if self._running else
-                                  "the engine is not running")
+                raise EngineStopped("the server is shutting down" if self._running else
+                                    "the engine is not running")
             if self._waiting() >= self.queue_size:
                 raise QueueFull(f"{self.queue_size} requests are already waiting; try again")
             self._inbox.append(req)
@@ -307,8 +313,9 @@ class Engine:
                                           for r in p.rows) for p in self.pools.values()),
                     "waiting": self._waiting(), "requests_done": self.requests_done,
                     "tokens_sent": self.tokens_sent, "chunks": self.chunks,
-                    "compile_s": {f"gen {k[1]}, prompt {k[2]}": round(p.compile_time, 2)
-                                  for k, p in self.pools.items()}}
+                    "compile_s": [{"gen_length": k[1], "prompt_length": k[2],
+                                   "options": k[0].settings(), "seconds": round(p.compile_time, 2)}
+                                  for k, p in self.pools.items()]}
 
     # -- internals ----------------------------------------------------------------------
     def _schedule(self, options, gen_length: int):

@@ -1,0 +1,313 @@
+"""The ASGI app of `asynclane-jax serve`: OpenAI's completions API over the engine.
+
+  POST /v1/completions         text completion (stream=true: server-sent events)
+  POST /v1/chat/completions    chat completion through the tokenizer's chat template
+  GET  /v1/models              the one served model (and /v1/models/{name})
+  GET  /health                 200 with the engine's stats
+
+Requests are checked by `protocol.parse_request` (every field honoured or a 400 naming
+it), then submitted to the engine, whose updates (tokens newly final, as a text delta)
+arrive from its thread and are handed to the request's coroutine through its event
+loop. A streamed request sends each delta as it comes; a plain one collects them. Both
+watch for the client going away and cancel the engine request then, which frees its slot
+at the next chunk boundary.
+
+Errors are OpenAI's error body, {"error": {"message", "type", "param", "code"}}: 400 for
+a refused request (bad JSON, a body that is not UTF-8, an unknown field, a field that
+cannot be honoured, a prompt too long), 404 for another model, 429 when the engine's
+queue is full, 500 for a request the engine failed (that request only), 503 while the
+engine is shutting down.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations
+# (`request: fastapi.Request`), and fastapi is imported inside create_app.
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from asynclane_jax.serve import protocol, require
+from asynclane_jax.serve.engine import EngineError, EngineStopped, QueueFull
+from asynclane_jax.serve.protocol import RequestError
+
+log = logging.getLogger("asynclane_jax.serve")
+
+# How often a waiting request checks whether its client is still there (seconds).
+DISCONNECT_POLL_S = 0.25
+
+
+def _spec(engine, default_max_tokens: int | None, server_options: dict | None):
+    from asynclane_jax.decoding.registry import get_schedule_class, option_fields
+
+    fields = {n: f.default for n, f in option_fields(get_schedule_class(engine.sampler)).items()}
+    largest = max(engine.gen_lengths)
+    if default_max_tokens is None:
+        default_max_tokens = largest
+    if not 1 <= default_max_tokens <= largest:
+        raise ValueError(f"default max_tokens {default_max_tokens} must be in [1, {largest}] "
+                         "(the largest generation bucket)")
+    tok = engine.tokenizer
+    vocab = None
+    if tok is not None:
+        with contextlib.suppress(TypeError):
+            vocab = len(tok)
+    if server_options is None:
+        server_options = dict(getattr(engine, "options", None) or {})
+    return protocol.ServingSpec(
+        model_name=engine.model_name, sampler=engine.sampler, sampler_fields=fields,
+        server_options=server_options, max_tokens=largest,
+        default_max_tokens=default_max_tokens, max_prompt=engine.max_prompt,
+        vocab_size=vocab)
+
+
+class _Submitted:
+    """One request in the engine: its updates on this event loop, cut at stop strings.
+
+    `close()` is synchronous (it may run while the task is being cancelled) and cancels
+    the engine request unless it has finished.
+    """
+
+    def __init__(self, engine, parsed: protocol.ParsedRequest, http_request):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.http_request = http_request
+        self.cutter = protocol.StopCutter(parsed.stop)
+        self.done = False
+        self.prompt_tokens = len(parsed.prompt_ids)
+        self.completion_tokens = 0
+        try:
+            self.handle = engine.submit(parsed.prompt_ids, max_tokens=parsed.max_tokens,
+                                        options=parsed.options or None,
+                                        on_update=self._on_update)
+        except QueueFull as e:
+            raise RequestError(f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
+                               type="rate_limit_error", status=429,
+                               headers={"Retry-After": "1"}) from None
+        except EngineError as e:
+            if isinstance(e, EngineStopped):  # stopping, or not started
+                raise RequestError(f"the server is not taking requests: {e}",
+                                   type="server_error", code="shutting_down",
+                                   status=503) from None
+            param = "sampler_options" if parsed.options else None
+            raise RequestError(str(e), param=param) from None
+        self.request_id = self.handle.request_id
+
+    def _on_update(self, update) -> None:
+        # On the engine's thread: hand the update to the request's event loop.
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.handle.cancel()
+
+    async def events(self):
+        """Yields ("text", delta) as the committed text grows, then one of ("end",
+        finish_reason) or ("error", status, message). Returns early (cancelling the
+        engine request) when the client disconnects."""
+        next_check = self.loop.time() + DISCONNECT_POLL_S
+        try:
+            while True:
+                try:
+                    update = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    update = None
+                if self.loop.time() >= next_check:  # however busy the stream is
+                    next_check = self.loop.time() + DISCONNECT_POLL_S
+                    if await self.http_request.is_disconnected():
+                        log.info("request %s: the client went away; cancelled",
+                                 self.request_id)
+                        return
+                if update is None:
+                    continue
+                self.prompt_tokens = update.prompt_tokens
+                self.completion_tokens = update.completion_tokens
+                text, stopped = self.cutter.feed(update.text or "")
+                if stopped:
+                    if text:
+                        yield ("text", text)
+                    self.close()  # a stop string: the rest is not wanted
+                    yield ("end", "stop")
+                    return
+                if update.finished:
+                    self.done = True
+                    if update.finish_reason in ("stop", "length"):
+                        text += self.cutter.flush()
+                        if text:
+                            yield ("text", text)
+                        yield ("end", update.finish_reason)
+                    elif update.finish_reason == "cancelled":
+                        yield ("error", 503, "the request was cancelled by the server "
+                                             "(shutting down)")
+                    else:
+                        yield ("error", 500, update.error or "the engine failed this request")
+                    return
+                if text:
+                    yield ("text", text)
+        finally:
+            self.close()
+
+    def usage(self) -> dict:
+        return protocol.usage(self.prompt_tokens, self.completion_tokens)
+
+
+def create_app(engine, *, default_max_tokens: int | None = None,
+               server_options: dict | None = None, drain_timeout: float | None = 120.0,
+               manage_engine: bool = True):
+    """The FastAPI app serving `engine`.
+
+    Args:
+      engine: an `asynclane_jax.serve.engine.Engine` (or an object with its interface).
+      default_max_tokens: max_tokens of a request that gives none (default: the largest
+        generation bucket).
+      server_options: the sampler options the engine was built with (default: its
+        `options` attribute), for the seed / temperature rules.
+      drain_timeout: at shutdown, seconds to let in-flight streams finish before they
+        are cut, and the engine's drain timeout (None: no limit).
+      manage_engine: start the engine at app startup and shut it down (draining) at app
+        shutdown; False when the caller does both.
+
+    Returns:
+      The app (an ASGI application).
+    """
+    fastapi = require("fastapi")
+    require("sse_starlette")
+    from fastapi.responses import JSONResponse
+    from sse_starlette.sse import EventSourceResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    spec = _spec(engine, default_max_tokens, server_options)
+    created = protocol.now()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine:
+            log.info("starting the engine (compiling %s at gen lengths %s)", engine.sampler,
+                     ", ".join(map(str, engine.gen_lengths)))
+            await asyncio.to_thread(engine.start)
+            log.info("serving %s", engine.model_name)
+        try:
+            yield
+        finally:
+            if manage_engine:
+                log.info("draining the engine")
+                await asyncio.to_thread(engine.shutdown, drain=True, timeout=drain_timeout)
+
+    app = fastapi.FastAPI(title="asynclane-jax", lifespan=lifespan, docs_url=None,
+                          redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+    app.state.spec = spec
+
+    def error_response(err: RequestError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request, exc: RequestError):
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(protocol.error_body(str(exc.detail), code=kind),
+                            status_code=exc.status_code)
+
+    async def read_json(request) -> Any:
+        raw = await request.body()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"the request body is not UTF-8 ({e.reason} at byte "
+                               f"{e.start}); send JSON in UTF-8") from None
+        if not text.strip():
+            raise RequestError("the request body is empty; send a JSON object")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": engine.model_name, "sampler": engine.sampler,
+                "gen_lengths": list(engine.gen_lengths), **engine.stats()}
+
+    def model_card() -> dict:
+        return {"id": engine.model_name, "object": "model", "created": created,
+                "owned_by": "asynclane-jax"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != engine.model_name:
+            raise RequestError(f"The model {name!r} does not exist; this server serves "
+                               f"{engine.model_name!r}", param="model",
+                               code="model_not_found", status=404)
+        return model_card()
+
+    async def complete(request, chat: bool):
+        body = await read_json(request)
+        parsed = protocol.parse_request(body, spec, engine.tokenizer, chat=chat)
+        sub = _Submitted(engine, parsed, request)
+        rid = ("chatcmpl-" if chat else "cmpl-") + str(sub.request_id)
+        made = protocol.now()
+        name = engine.model_name
+        if parsed.stream:
+            return EventSourceResponse(_stream(sub, rid, made, name, chat),
+                                       shutdown_grace_period=(drain_timeout or 1e9))
+        try:
+            parts, finish = [], None
+            async for ev in sub.events():
+                if ev[0] == "text":
+                    parts.append(ev[1])
+                elif ev[0] == "end":
+                    finish = ev[1]
+                else:
+                    return error_response(RequestError(
+                        ev[2], type="server_error", status=ev[1],
+                        code="shutting_down" if ev[1] == 503 else None))
+            if finish is None:  # the client went away: nobody reads the answer
+                return JSONResponse(protocol.error_body("the client disconnected"),
+                                    status_code=499)
+        finally:
+            sub.close()
+        make = protocol.chat_body if chat else protocol.completion_body
+        return make(rid, made, name, "".join(parts), finish, sub.usage())
+
+    async def _stream(sub: _Submitted, rid, made, name, chat):
+        def chunk(text=None, finish=None, use=None):
+            if chat:
+                delta = {} if text is None else {"content": text}
+                return protocol.chat_chunk(rid, made, name, delta, finish, use)
+            return protocol.completion_chunk(rid, made, name, text or "", finish, use)
+
+        try:
+            if chat:
+                first = protocol.chat_chunk(rid, made, name, {"role": "assistant",
+                                                              "content": ""})
+                yield {"data": json.dumps(first)}
+            async for ev in sub.events():
+                if ev[0] == "text":
+                    yield {"data": json.dumps(chunk(ev[1]))}
+                elif ev[0] == "end":
+                    yield {"data": json.dumps(chunk(None, ev[1], sub.usage()))}
+                else:
+                    err = protocol.error_body(ev[2], type="server_error",
+                                              code="shutting_down" if ev[1] == 503 else None)
+                    yield {"data": json.dumps(err)}
+            yield {"data": "[DONE]"}
+        finally:
+            sub.close()  # also when the client went away and the stream was cancelled
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: fastapi.Request):
+        return await complete(request, chat=True)
+
+    return app
