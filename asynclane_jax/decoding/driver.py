@@ -13,6 +13,12 @@ first call of its own shape before the loop (`Schedule.first_plan`). One iterati
 
 Rows finish independently; a finished row is never served again and its canvas never
 changes. Rows that only pad a batch up to its bucket start finished.
+
+The same iteration serves continuous batching (`serve_chunk`): a carried state whose
+rows are slots, each chunk retiring and admitting rows and running up to K iterations in
+one compiled program. Shapes and dtypes of what a schedule returns are checked while
+tracing (`check_plan`, `check_update`), so a wrong one fails with the schedule's name.
+Compiled programs are kept in a bounded cache (`PROGRAMS`, `compiled_programs`).
 """
 
 from __future__ import annotations
