@@ -19,9 +19,23 @@ prompts is decoded by every variant in turn, the order rotated from batch to bat
 that machine noise hits all variants alike. Times are `stats.decode_time` (compilation
 excluded).
 
+Three comparisons. Every row belongs to one (its `comparison` field, a column of the
+table), and AsyncLane's speed-ups are reported against the fastest baseline of each
+separately:
+  (a) `published`: the baselines as published (no early stop, no horizon, no cascade);
+  (b) `early-stop`: the baselines with early_stop=true (no horizon, no cascade);
+  (c) `equal-footing`: the block baselines given AsyncLane's visible horizon and cascade
+    (horizon > 0 and cascade=true; the default specs use AsyncLane's horizon=96 and
+    block 32, plus early_stop=true). At gen_length 256 and 512, AsyncLane and these rows
+    attend to the same 128 positions while the answer fits; the (a) and (b) rows decode
+    the whole canvas.
+Rows of `asynclane` itself are `asynclane`; a baseline with only one of horizon and
+cascade is `other` and in no comparison.
+
 Row fields (one row per spec and generation length):
   model, sampler (the spec as given), options (the options of the variant chosen),
   gen_length, n, batch;
+  comparison: published | early-stop | equal-footing | asynclane | other (above);
   accuracy: exact-match accuracy of the final answer;
   tps: tokens before the first end-of-text, summed over problems, per second of decoding;
   nfe_per_token: model calls serving a row (full + cached) per generated token, summed
@@ -30,10 +44,9 @@ Row fields (one row per spec and generation length):
   wall_s: seconds of decoding; compile_s: seconds compiling (0 when the program was
     already compiled in this process);
   speedup_vs_fastest_baseline: tps over the highest tps at the same gen_length among
-    the baselines as published: rows whose sampler is not `asynclane` and that do not
-    stop early (None when there is none);
-  speedup_vs_fastest_early_stop: tps over the highest tps at the same gen_length among
-    rows run with early_stop true (None when there is none).
+    the (a) published rows (None when there is none);
+  speedup_vs_fastest_early_stop: the same over the (b) early-stop rows;
+  speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows.
 """
 
 from __future__ import annotations
@@ -51,18 +64,29 @@ import numpy as np
 
 from asynclane_jax.errors import UsageError, run_command
 
+# The (c) specs: AsyncLane's horizon and cascade (its block_length, 32, is the default).
+EQUAL_FOOTING = "horizon=96:cascade=true:early_stop=true"
 DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
-                    "localleap:early_stop=true", "asynclane")
+                    "localleap:early_stop=true", f"fast-dllm:{EQUAL_FOOTING}",
+                    f"localleap:{EQUAL_FOOTING}", "asynclane")
 DEFAULT_GEN_LENGTHS = (128, 256, 512)
 # Options a spec gets when it does not set them: each sampler at its best setting.
 DEFAULT_OPTIONS = {"fast-dllm": {"cache": "prefix|dual"},
                    "localleap": {"cache": "prefix|dual"}}
-# Rows of this sampler are not baselines (speedup_vs_fastest_baseline).
+# Rows of this sampler are not baselines: they are compared with each comparison's.
 NEW_SAMPLER = "asynclane"
+# The comparisons (module docstring): the row field's value -> the speed-up field
+# against that comparison's fastest row, and the label of the printed table.
+COMPARISONS = {"published": "speedup_vs_fastest_baseline",
+               "early-stop": "speedup_vs_fastest_early_stop",
+               "equal-footing": "speedup_vs_fastest_equal_footing"}
+COMPARISON_LABELS = {"published": "(a) published", "early-stop": "(b) early stop",
+                     "equal-footing": "(c) equal footing", NEW_SAMPLER: NEW_SAMPLER,
+                     "other": "other"}
 
-ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "accuracy", "tps",
-            "nfe_per_token", "tokens_per_call", "steps", "wall_s", "compile_s",
-            "speedup_vs_fastest_baseline", "speedup_vs_fastest_early_stop")
+ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "comparison",
+            "accuracy", "tps", "nfe_per_token", "tokens_per_call", "steps", "wall_s",
+            "compile_s", *COMPARISONS.values())
 
 
 def default_specs() -> list[str]:
@@ -195,21 +219,29 @@ class _Tally:
         }
 
 
+def comparison_of(sampler: str, options: dict) -> str:
+    """The comparison a row belongs to (module docstring): published, early-stop,
+    equal-footing, asynclane or other."""
+    if parse_spec(split_model(sampler)[0])[0] == NEW_SAMPLER:
+        return NEW_SAMPLER
+    horizon = bool(options.get("horizon"))
+    cascade = options.get("cascade") is True
+    if horizon or cascade:
+        return "equal-footing" if horizon and cascade else "other"
+    return "early-stop" if options.get("early_stop") is True else "published"
+
+
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """Fills speedup_vs_fastest_baseline and speedup_vs_fastest_early_stop in place, per
-    gen_length (see the module docstring); returns rows."""
+    """Fills `comparison` and the three speed-up fields in place, per gen_length (see
+    the module docstring); returns rows."""
+    for r in rows:
+        r["comparison"] = comparison_of(r["sampler"], r["options"])
     for g in {r["gen_length"] for r in rows}:
         same = [r for r in rows if r["gen_length"] == g]
-        early = [r["tps"] for r in same if r["options"].get("early_stop") is True]
-        base = [r["tps"] for r in same
-                if parse_spec(split_model(r["sampler"])[0])[0] != NEW_SAMPLER
-                and r["options"].get("early_stop") is not True]
-        best_base = max(base, default=0.0)
-        best_early = max(early, default=0.0)
-        for r in same:
-            r["speedup_vs_fastest_baseline"] = r["tps"] / best_base if best_base > 0 else None
-            r["speedup_vs_fastest_early_stop"] = (r["tps"] / best_early if best_early > 0
-                                                  else None)
+        for which, field in COMPARISONS.items():
+            best = max((r["tps"] for r in same if r["comparison"] == which), default=0.0)
+            for r in same:
+                r[field] = r["tps"] / best if best > 0 else None
     return rows
 
 
@@ -303,11 +335,11 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
                            key=lambda m: m["tps"])
                 row = {"model": model_name, "sampler": spec, "options": best["options"],
                        "gen_length": g, "n": n, "batch": batch,
+                       "comparison": comparison_of(spec, best["options"]),
                        **{k: best[k] for k in ("accuracy", "tps", "nfe_per_token",
                                                "tokens_per_call", "steps", "wall_s",
                                                "compile_s")},
-                       "speedup_vs_fastest_baseline": None,
-                       "speedup_vs_fastest_early_stop": None}
+                       **dict.fromkeys(COMPARISONS.values())}
                 rows.append(row)
             add_speedups(rows)
             if on_length is not None:
@@ -350,33 +382,48 @@ def _opts_text(opts: dict) -> str:
                     for k, v in opts.items())
 
 
-TABLE_HEAD = ("gen", "sampler", "chosen options", "accuracy", "tokens/s", "vs baseline",
-              "vs early-stop", "calls/token", "steps", "decode s", "compile s")
+TABLE_HEAD = ("gen", "comparison", "sampler", "chosen options", "accuracy", "tokens/s",
+              "vs (a)", "vs (b)", "vs (c)", "calls/token", "steps", "decode s", "compile s")
 
 
 def table_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     """The cells of the summary table, one tuple per row (TABLE_HEAD)."""
-    return [(str(r["gen_length"]), r["sampler"], _opts_text(r["options"]),
+    return [(str(r["gen_length"]),
+             COMPARISON_LABELS.get(r.get("comparison"), str(r.get("comparison"))),
+             r["sampler"], _opts_text(r["options"]),
              f"{100 * r['accuracy']:.1f}%", f"{r['tps']:.1f}",
-             _fmt(r["speedup_vs_fastest_baseline"], ".2f", "x"),
-             _fmt(r["speedup_vs_fastest_early_stop"], ".2f", "x"),
+             *(_fmt(r.get(field), ".2f", "x") for field in COMPARISONS.values()),
              _fmt(r["nfe_per_token"], ".3f"), f"{r['steps']:.1f}", f"{r['wall_s']:.2f}",
              f"{r['compile_s']:.1f}") for r in rows]
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
-    """A markdown report: what ran, then one table row per bench row."""
-    lines = [f"# Samplers on `{meta.get('model')}`", "",
-             f"{meta.get('n')} held-out problems per row, batch {meta.get('batch')}; backend "
-             f"{meta.get('backend')} ({meta.get('device')}, {meta.get('machine')}), "
-             f"{meta.get('date')}. Tokens/s: tokens before the first end-of-text per second "
-             "of decoding, compilation excluded; samplers interleaved batch by batch. A "
-             "spec with alternatives (`a|b`) reports its fastest; `chosen options` names "
-             "it. vs baseline: tokens/s over the fastest baseline as published (not "
-             "asynclane, no early stop) at the same length; vs early-stop: over the "
-             "fastest row run with early_stop=true.", "",
-             "| " + " | ".join(TABLE_HEAD) + " |",
-             "|" + "---|" * len(TABLE_HEAD)]
+    """A markdown report: what ran (and the command, when meta has one), then one table
+    row per bench row."""
+    lines = [f"# Samplers on `{meta.get('model')}`", ""]
+    if meta.get("command"):
+        lines += ["Made by:", "", "```", meta["command"], "```", ""]
+    lines += [f"{meta.get('n')} held-out problems per row, batch {meta.get('batch')}; backend "
+              f"{meta.get('backend')} ({meta.get('device')}, {meta.get('machine')}), "
+              f"{meta.get('date')}. Tokens/s: tokens before the first end-of-text per second "
+              "of decoding, compilation excluded; samplers interleaved batch by batch. A "
+              "spec with alternatives (`a|b`) reports its fastest; `chosen options` names "
+              "it.", "",
+              "Three comparisons, each row in one (`comparison`); vs (a) / (b) / (c): "
+              "tokens/s over the fastest row of that comparison at the same length.",
+              "- (a) published: the baselines as published (no early stop, no horizon, no "
+              "cascade). They decode every position of the canvas.",
+              "- (b) early stop: the same with early_stop=true; they still attend to the "
+              "whole canvas.",
+              "- (c) equal footing: block baselines given AsyncLane's visible horizon and "
+              "cascade (horizon > 0, cascade=true; the default specs use AsyncLane's "
+              "horizon=96 and block 32, plus early_stop=true). Like AsyncLane, they attend "
+              "only to the first block_length + horizon generated positions (128) until "
+              "the window nears their end; of the baselines, only these see a canvas of "
+              "the size AsyncLane sees at gen lengths above 128.",
+              "- asynclane rows are compared with each; `other` rows with none.", "",
+              "| " + " | ".join(TABLE_HEAD) + " |",
+              "|" + "---|" * len(TABLE_HEAD)]
     for cells in table_rows(rows):
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -420,10 +467,16 @@ def plot_rows(rows: list[dict], path, meta: dict | None = None):
     FigureCanvasAgg(fig)
     ax_tps, ax_acc = fig.subplots(1, 2)
     markers = "osD^v<>ph*"
+    # Line style by comparison: (a) solid, (b) dashed, (c) dotted, asynclane thick.
+    lines = {"published": "-", "early-stop": "--", "equal-footing": ":"}
     for k, spec in enumerate(dict.fromkeys(r["sampler"] for r in rows)):
         sel = sorted((r for r in rows if r["sampler"] == spec), key=lambda r: r["gen_length"])
         x = [r["gen_length"] for r in sel]
-        style = dict(marker=markers[k % len(markers)], label=spec)
+        which = sel[0].get("comparison")
+        label = f"{COMPARISON_LABELS[which][:3]} {spec}" if which in COMPARISONS else spec
+        style = dict(marker=markers[k % len(markers)], label=label,
+                     linestyle=lines.get(which, "-"),
+                     linewidth=2.5 if which == NEW_SAMPLER else 1.5)
         ax_tps.plot(x, [r["tps"] for r in sel], **style)
         ax_acc.plot(x, [100 * r["accuracy"] for r in sel], **style)
     lengths = sorted({r["gen_length"] for r in rows})

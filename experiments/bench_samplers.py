@@ -6,7 +6,10 @@ Fast-dLLM and LocalLeap at the faster of prefix and dual cache; tokens/s counts 
 before the first end-of-text over decoding time (compilation excluded). Results go to
 experiments/results/bench_<model>.json (rewritten after each generation length), .md and
 .png (the plot when matplotlib is installed); with --batch B other than 1 the names end
-in _batchB.
+in _batchB. The command that made them is kept in the JSON's meta and at the top of the .md.
+
+The default specs (bench.DEFAULT_SAMPLERS) hold the three comparisons: the baselines as
+published, with early stop, and with AsyncLane's horizon and cascade (bench's docstring).
 
 Usage: python experiments/bench_samplers.py [--model tiny-llada] [--n 50] [--batch 1]
        [--gen-lengths 128,256,512] [--samplers SPEC,SPEC,...]
@@ -18,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import pathlib
+import shlex
 import sys
 
 from asynclane_jax import bench
@@ -48,6 +52,9 @@ def main() -> int:
     if rc != 0:
         return rc
     data = json.loads(pathlib.Path(f"{stem}.json").read_text())
+    data["meta"]["command"] = shlex.join(["python", "experiments/bench_samplers.py",
+                                          *sys.argv[1:]])
+    bench.write_json(f"{stem}.json", data["meta"], data["rows"])
     md = bench.to_markdown(data["rows"], data["meta"])
     pathlib.Path(f"{stem}.md").write_text(md)
     print(md)

@@ -20,11 +20,29 @@ columns), which predicts columns s + 1 .. s + B for a block starting at s: colum
 no prediction in cached calls. Fast-dLLM's Dream block decoding therefore commits column
 s, by argmax, at the block-start step (`shift_commits_block_start`), which is always a
 full forward.
+
+Two options put a block sampler on AsyncLane's footing (asynclane.py; both off by
+default, as published):
+  - The visible horizon (`horizon` > 0, with a cache). Generated positions [0, visible)
+    take part in attention, visible = min(G, block_length + horizon) to start with; the
+    rest of the canvas is out of attention and never encoded. The block-start refresh of
+    block 0 is a full forward over the prompt and those columns only, and while every
+    served row's view is within them each call, refreshes included, reads and attends
+    only that part of the cache (`Schedule.key_bound`). When a row enters a block whose
+    start s has s + block_length + horizon // 2 > visible (the window nears the end of
+    its view), its view becomes the whole canvas, and that block's refresh is a full
+    forward over everything. An answer that ends inside the view makes the calls it
+    would make on a canvas of block_length + horizon positions, whatever gen_length is.
+  - The cascade (`cascade`). An end-of-text committed at p ends the row there: every
+    later position becomes end-of-text at once (mid-block, unlike `early_stop`, which
+    waits for the block to finish), and the row is done when no generated position is
+    masked, so no call is spent on the tail.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, ClassVar
 
 import jax
@@ -48,6 +66,8 @@ class BlockState:
     block: jax.Array  # [b] int32 current block index; == num_blocks once the row is done
     step_in_block: jax.Array  # [b] int32 iterations the row has spent in its block
     policy: Any  # the sampler's own state (pytree)
+    # [b] int32: generated positions [0, visible) are attended (the horizon; G: all).
+    visible: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +83,14 @@ class BlockSchedule(Schedule):
       early_stop: once a finished block holds an end-of-text token, everything after it
         becomes end-of-text and the row stops (the public LocalLeap code's option; off
         as published).
+      horizon: generated positions visible beyond the current block's end, as
+        asynclane's (0: the whole canvas, always, as published; needs a cache). At
+        first only the prompt and the first block_length + horizon positions are
+        encoded and attended; when a row enters a block within horizon/2 of the end of
+        its view, that block's refresh shows the whole canvas from then on.
+      cascade: an end-of-text committed at p ends the row there at once: every later
+        position becomes end-of-text and no call is spent on the tail, as asynclane's
+        cascade (off as published).
     """
 
     # The sampler's usual block length (None: one block of gen_length).
@@ -73,6 +101,8 @@ class BlockSchedule(Schedule):
     block_length: int | None = None
     cache: str = "none"
     early_stop: bool = False
+    horizon: int = 0
+    cascade: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,6 +118,21 @@ class BlockSchedule(Schedule):
                 f"block_length={self.block_length}")
         if self.cache not in CACHE_MODES:
             raise SamplerError(f"cache={self.cache!r}: expected one of {CACHE_MODES}")
+        n = self.name or type(self).__name__
+        try:
+            horizon = operator.index(self.horizon)
+        except TypeError:
+            horizon = -1
+        if isinstance(self.horizon, bool) or horizon < 0:
+            raise SamplerError(f"{n}: horizon={self.horizon!r} must be a whole number >= 0")
+        object.__setattr__(self, "horizon", int(horizon))
+        if self.horizon and not self.uses_cache:
+            raise SamplerError(f"{n}: horizon={self.horizon} needs a cache (prefix or "
+                               f"dual); with cache={self.cache!r} every call is a full "
+                               "forward over the whole canvas")
+        if self.cascade not in (True, False):
+            raise SamplerError(f"{n}: cascade={self.cascade!r} must be true or false")
+        object.__setattr__(self, "cascade", bool(self.cascade))
 
     @property
     def num_blocks(self) -> int:
@@ -96,6 +141,17 @@ class BlockSchedule(Schedule):
     @property
     def uses_cache(self) -> bool:
         return self.cache != "none"
+
+    def first_visible(self, G: int) -> int:
+        """Generated positions a row attends to at first (G: the whole canvas, no
+        horizon)."""
+        if not self.horizon or not self.uses_cache:
+            return G
+        return min(G, self.block_length + self.horizon)
+
+    def key_bound(self, ctx: Context) -> int | None:
+        V = self.first_visible(ctx.gen_length)
+        return None if V == ctx.gen_length else ctx.prompt_len + V
 
     def max_iterations(self) -> int:
         # Every served iteration commits at least one token; with a cache a row may also
@@ -126,7 +182,9 @@ class BlockSchedule(Schedule):
         b = ctx.batch
         return BlockState(block=jnp.zeros((b,), jnp.int32),
                           step_in_block=jnp.zeros((b,), jnp.int32),
-                          policy=self.init_policy(b))
+                          policy=self.init_policy(b),
+                          visible=jnp.full((b,), self.first_visible(ctx.gen_length),
+                                           jnp.int32))
 
     def _columns(self, ctx: Context, block):
         """[b, B] canvas columns of each row's current block (the last for finished rows)."""
@@ -146,13 +204,17 @@ class BlockSchedule(Schedule):
             return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
         need = live & (state.step_in_block == 0)
         refresh = jnp.all(need | ~live)
+        visible = None
+        if self.first_visible(ctx.gen_length) < ctx.gen_length:  # the horizon is in use
+            visible = (ctx.prompt_len + state.visible).astype(jnp.int32)
         if self.cache == "dual":
             cached_q = cols
-        else:  # prefix: the block start to the canvas end
+        else:  # prefix: the block start to the canvas end (to the end of the view)
             cached_q = cols[:, :1] + jnp.arange(Q, dtype=jnp.int32)[None, :]
-            cached_q = jnp.where(cached_q < T, cached_q, T)
+            end = T if visible is None else visible[:, None]
+            cached_q = jnp.where(cached_q < end, cached_q, T)
         return Plan(positions=jnp.where(refresh, full_q, cached_q), full=refresh,
-                    serve=jnp.where(refresh, need, live & ~need))
+                    serve=jnp.where(refresh, need, live & ~need), visible=visible)
 
     def update(self, ctx: Context, canvas, state: BlockState, out: CallOutput, key):
         b, B = ctx.batch, self.block_length
@@ -172,6 +234,9 @@ class BlockSchedule(Schedule):
         commit = commit & masked
         new_blk = jnp.where(commit, x0, blk)
         canvas = canvas.at[rows, cols].set(new_blk)
+        if self.cascade:  # an end-of-text at p: every later position is end-of-text
+            canvas = self._cascade(ctx, canvas, out.serve)
+            new_blk = jnp.take_along_axis(canvas, cols, axis=1)
         block_done = out.serve & ~jnp.any(new_blk == ctx.mask_id, axis=1)
         block = state.block + block_done
         if self.early_stop:
@@ -179,10 +244,33 @@ class BlockSchedule(Schedule):
             after = jnp.arange(ctx.length)[None, :] > cols[:, -1:]
             canvas = jnp.where(stop[:, None] & after, ctx.eos_id, canvas)
             block = jnp.where(stop, self.num_blocks, block)
+        if self.cascade:  # nothing left to decode: the row is done
+            ended = out.serve & ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=1)
+            block = jnp.where(ended, self.num_blocks, block)
+        visible = state.visible
+        if self.first_visible(ctx.gen_length) < ctx.gen_length:
+            # A row entering a block near the end of its view is shown the whole canvas
+            # (its block-start refresh, the next call serving it, is then unbounded).
+            start = block * B
+            near = (block_done & (block < self.num_blocks)
+                    & (start + B + self.horizon // 2 > visible))
+            visible = jnp.where(near, ctx.gen_length, visible)
         step_in_block = jnp.where(block_done, 0, state.step_in_block + out.serve)
         return canvas, BlockState(block=block.astype(jnp.int32),
                                   step_in_block=step_in_block.astype(jnp.int32),
-                                  policy=pstate)
+                                  policy=pstate, visible=visible.astype(jnp.int32))
+
+    @staticmethod
+    def _cascade(ctx: Context, canvas, serve):
+        """The canvas with every generated position after the first committed
+        end-of-text set to end-of-text, in the served rows."""
+        P, G = ctx.prompt_len, ctx.gen_length
+        gen = canvas[:, P:]
+        j = jnp.arange(G)[None, :]
+        stop = (gen != ctx.mask_id) & ctx.is_stop(gen)
+        first = jnp.min(jnp.where(stop, j, G), axis=-1)  # [b], G: none
+        tail = serve[:, None] & (j > first[:, None])
+        return canvas.at[:, P:].set(jnp.where(tail, ctx.eos_id, gen))
 
     def done(self, ctx: Context, canvas, state: BlockState):
         return state.block >= self.num_blocks
@@ -198,6 +286,8 @@ class FixedStepsSchedule(BlockSchedule):
         the number of blocks.
     """
 
+    # No cache, so no visible horizon: not an option of these samplers (it stays 0).
+    structural: ClassVar[tuple[str, ...]] = ("gen_length", "horizon")
     steps: int | None = None
 
     def __post_init__(self):

@@ -6,6 +6,12 @@ Threshold rule: commit every masked position of the block whose confidence is at
 confidences sorted c(1) >= c(2) >= ..., commit the leading run that satisfies
 c(n) >= 1 - factor / (n + 1) (the first always; all N when only c(N) fails, as the
 public code does). `steps` does not exist: a block loops until it has no masks.
+
+`cache="none"` is block-wise threshold decoding with a full forward per step, on LLaDA
+and Dream alike. That is Fast-dLLM's LLaDA no-cache code; its only no-cache Dream code is
+blockless threshold decoding over the whole generation, which this sampler does not
+reproduce exactly (the nearest setting is `block_length=gen_length`), so on Dream
+`fast-dllm` with `cache="none"` is our block-wise variant, not a published one.
 """
 
 from __future__ import annotations
