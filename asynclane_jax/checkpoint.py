@@ -4,6 +4,10 @@ A converted folder holds:
   config.json        {"format": "asynclane-jax", "format_version": 1,
                       "model": <ModelConfig fields>, "hf_config": <original config.json or null>}
   params/            an orbax checkpoint of the parameters (nested dict of arrays)
+  digests.json       a digest of every stored array (see `array_digest`), recorded when the
+                     folder was written; `load` checks each array against it as it is read
+                     (`verify=False` or ASYNCLANE_VERIFY=0 to skip) and `verify_folder`
+                     (`asynclane-jax verify DIR`) checks a folder on demand
   tokenizer files    tokenizer.json and friends, copied verbatim (optional)
 
 The same loader serves the shipped tiny models (by name) and converted 8B checkpoints.
@@ -11,24 +15,38 @@ The same loader serves the shipped tiny models (by name) and converted 8B checkp
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import hashlib
 import json
 import os
 import pathlib
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from asynclane_jax.models.config import ModelConfig
+from asynclane_jax.models.config import ConfigError, ModelConfig, show
 from asynclane_jax.models.model import DiffusionLM, abstract_model
 
 FORMAT = "asynclane-jax"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
+DIGESTS_FILE = "digests.json"
+DIGESTS_FORMAT = "asynclane-jax-digests"
+# sha256 over the concatenated sha256 digests of the array's bytes in chunks of this size
+# (one chunk for a smaller array): the chunks of a large array hash in parallel.
+DIGEST_ALGORITHM = "sha256-chunks-64MiB"
+DIGEST_CHUNK = 64 * 2**20
+# Set to 0 to load without checking the digests (as `load(..., verify=False)`).
+VERIFY_ENV = "ASYNCLANE_VERIFY"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                    "chat_template.jinja", "generation_config.json")
@@ -44,6 +62,143 @@ _registered: dict[str, pathlib.Path] = {}
 
 class CheckpointError(ValueError):
     """A converted folder is missing, malformed, or does not match its config."""
+
+
+# --------------------------------------------------------------------------- signals
+
+@contextlib.contextmanager
+def signals_held(*, raise_after: bool = True) -> Iterator[None]:
+    """SIGINT and SIGTERM arriving inside are held, not acted on, until the block ends;
+    then (with raise_after) KeyboardInterrupt is raised if one came.
+
+    For work that must not stop halfway: orbax's save (whose writer threads would go on
+    filling a folder being removed), renames that install a folder, and the removal of
+    a temporary folder itself. Outside the main thread signals cannot be handled here:
+    the block runs as is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if arrived and raise_after:
+        raise KeyboardInterrupt
+
+
+def remove_tree(path: pathlib.Path | None) -> None:
+    """Removes a temporary folder, every file of it, with signals held meanwhile."""
+    if path is None:
+        return
+    with signals_held(raise_after=False):
+        for _ in range(5):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                return
+
+
+# --------------------------------------------------------------------------- digests
+
+_pool_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, min(8, os.cpu_count() or 1)),
+                thread_name_prefix="asynclane-digest")
+        return _pool
+
+
+def array_digest(array: np.ndarray) -> str:
+    """The digest of an array's bytes as stored (C order, little-endian), hex.
+
+    sha256 of the concatenated sha256 digests of its bytes in DIGEST_CHUNK pieces (a
+    smaller array is one piece): a large array's pieces hash in parallel (hashlib
+    releases the GIL), and it is computed on an array already in memory, no copy.
+    Reproducible without this package:
+    `sha256(b"".join(sha256(piece).digest() for piece in pieces)).hexdigest()`.
+    """
+    a = np.ascontiguousarray(array)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    data = memoryview(a.reshape(-1).view(np.uint8))
+    pieces = [data[i:i + DIGEST_CHUNK] for i in range(0, len(data), DIGEST_CHUNK)] or [data]
+    hash_one = lambda piece: hashlib.sha256(piece).digest()
+    digests = (list(_hash_pool().map(hash_one, pieces)) if len(pieces) > 1
+               else [hash_one(pieces[0])])
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def digest_entry(array: np.ndarray) -> dict:
+    """What digests.json records of one array: its dtype, shape and digest."""
+    return {"dtype": np.dtype(array.dtype).name, "shape": list(array.shape),
+            "digest": array_digest(array)}
+
+
+def flat_arrays(tree, prefix: str = "") -> dict[str, Any]:
+    """A nested dict of arrays as {"layers.0.attn.q_proj.kernel": array}: the names orbax
+    gives the stored arrays, which key digests.json."""
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat_arrays(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def write_digests(folder: pathlib.Path, entries: Mapping[str, dict]) -> None:
+    """Writes digests.json: {"format", "algorithm", "arrays": {name: entry}}."""
+    data = {"format": DIGESTS_FORMAT, "algorithm": DIGEST_ALGORITHM,
+            "arrays": dict(sorted(entries.items()))}
+    (pathlib.Path(folder) / DIGESTS_FILE).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_digests(folder: pathlib.Path) -> dict[str, dict] | None:
+    """The recorded digests of a converted folder (name -> entry), or None for a folder
+    written before digests were recorded.
+
+    Raises:
+      CheckpointError for a digests.json that is unreadable or not in the format.
+    """
+    path = pathlib.Path(folder) / DIGESTS_FILE
+    if not os.path.lexists(path):
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is unreadable: {str(e)[:120]}") from None
+    arrays = data.get("arrays") if isinstance(data, dict) else None
+    ok = (isinstance(arrays, dict) and data.get("format") == DIGESTS_FORMAT
+          and data.get("algorithm") == DIGEST_ALGORITHM
+          and all(isinstance(e, dict) and isinstance(e.get("digest"), str)
+                  and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list)
+                  for e in arrays.values()))
+    if not ok:
+        raise CheckpointError(f"{path} is not a digests file of this version "
+                              f"(format {DIGESTS_FORMAT!r}, algorithm {DIGEST_ALGORITHM!r})")
+    return arrays
+
+
+def printable(path) -> str:
+    """A path as text any terminal can show: bytes that were not UTF-8 (surrogate
+    escapes) are written as backslash escapes instead of failing to print."""
+    return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _verify_by_default() -> bool:
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _builtin_models() -> dict[str, pathlib.Path]:
@@ -99,6 +254,15 @@ def resolve(path_or_name: str | os.PathLike) -> pathlib.Path:
 
     A folder path wins over a shipped name that reads the same.
     """
+    try:
+        return _resolve(path_or_name)
+    except (OSError, ValueError) as e:  # a name too long for the OS, a NUL in a path
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"no model {show(str(path_or_name))}: {e}") from None
+
+
+def _resolve(path_or_name: str | os.PathLike) -> pathlib.Path:
     p = pathlib.Path(path_or_name)
     if (p / CONFIG_FILE).is_file():
         return p
@@ -186,17 +350,24 @@ def save(folder: str | os.PathLike, model: DiffusionLM, *, hf_config: dict | Non
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass overwrite=True to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = None
     try:
+        with signals_held():
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
         write_config(tmp, model.cfg, hf_config, extra)
-        save_params(tmp / PARAMS_DIR, params_to_numpy(model))
+        params = params_to_numpy(model)
+        write_digests(tmp, {k: digest_entry(v) for k, v in flat_arrays(params).items()})
+        with signals_held():
+            save_params(tmp / PARAMS_DIR, params)
+        del params
         if tokenizer_dir is not None:
             copy_tokenizer_files(pathlib.Path(tokenizer_dir), tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        with signals_held():
+            if dst.exists():
+                shutil.rmtree(dst)
+            os.replace(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     return dst
 
@@ -213,19 +384,26 @@ def copy_tokenizer_files(src: pathlib.Path, dst: pathlib.Path) -> list[str]:
 def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """Reads a converted folder's config.json; returns (ModelConfig, the whole json)."""
     folder = resolve(folder)
+    path = folder / CONFIG_FILE
     try:
-        data = json.loads((folder / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{folder / CONFIG_FILE} is not valid JSON: {e}") from None
-    if data.get("format") != FORMAT:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise CheckpointError(f"{path} is not a readable JSON file: {str(e)[:120]}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(
-            f"{folder / CONFIG_FILE} is not an asynclane-jax config; if this is a Hugging Face "
+            f"{path} is not an asynclane-jax config; if this is a Hugging Face "
             "snapshot, convert it first with `asynclane-jax convert SRC DST`")
-    return ModelConfig.from_dict(data["model"]), data
+    if data.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {show(data.get('format_version'))}; "
+                              f"this asynclane-jax reads version {FORMAT_VERSION}")
+    try:
+        return ModelConfig.from_dict(data.get("model")), data
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
-               mesh=None) -> DiffusionLM:
+               mesh=None, verify: bool | None = None) -> DiffusionLM:
     """Loads the model of a converted folder (or shipped name).
 
     Each parameter is read straight into its final place, one tensor (or a few small
@@ -241,12 +419,19 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         `sharding.make_mesh`). Each parameter is then restored into its shards of
         `sharding.plan_for(cfg, mesh)` (every host reads only the shards of its own
         devices); None: everything on the default device.
+      verify: check every array against the folder's digests.json as it is read (each
+        array is hashed once, in memory; on a mesh the arrays are first read whole one
+        at a time to be checked). None: yes unless ASYNCLANE_VERIFY=0. A folder without
+        digests.json (written before digests were recorded) loads unchecked.
     Raises:
-      CheckpointError for a folder whose parameters do not match its config, and for a
-      mesh that cannot be used (wrong device count, axes other than data/fsdp/tensor).
+      CheckpointError for a folder whose parameters do not match its config or their
+      digests (naming the array), and for a mesh that cannot be used (wrong device
+      count, axes other than data/fsdp/tensor).
     """
     folder = resolve(folder)
     cfg, _ = read_config(folder)
+    verify = _verify_by_default() if verify is None else verify
+    digests = read_digests(folder) if verify else None
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     graphdef, abs_state = nnx.split(abstract_model(cfg))
@@ -254,7 +439,7 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     shardings = _str_keys(nnx.to_pure_dict(_param_shardings(cfg, abs_state, mesh)))
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           _str_keys(template), shardings)
-    restored = restore_params(folder / PARAMS_DIR, target)
+    restored = restore_params(folder / PARAMS_DIR, target, digests=digests)
     nnx.replace_by_pure_dict(abs_state, _restore_keys(restored, template))
     return nnx.merge(graphdef, abs_state)
 
@@ -271,12 +456,15 @@ def _param_shardings(cfg: ModelConfig, abs_state: nnx.State, mesh) -> nnx.State:
                               f"{cfg.vocab_size}) on mesh {shown!r}: {e}") from e
 
 
-def restore_params(params_dir: pathlib.Path, target: dict) -> dict:
+def restore_params(params_dir: pathlib.Path, target: dict, *,
+                   digests: Mapping[str, dict] | None = None) -> dict:
     """Restores an orbax checkpoint of arrays into `target`'s shapes, dtypes, shardings.
 
     Args:
       params_dir: the checkpoint (a converted folder's params/).
       target: nested dict of jax.ShapeDtypeStruct with a sharding each (string keys).
+      digests: the folder's digests.json entries: each array is checked against its
+        entry as stored (before any dtype cast); None: no check.
     Returns:
       The nested dict of jax.Arrays.
 
@@ -299,9 +487,17 @@ def restore_params(params_dir: pathlib.Path, target: dict) -> dict:
         raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
     flat_stored, flat_target = _flat(stored), _flat(target)
     _check_shapes(params_dir, flat_stored, flat_target)
+    if digests is not None:
+        _check_listing(params_dir, digests, flat_arrays(_tree_dict(stored)))
     if all(isinstance(t.sharding, jax.sharding.SingleDeviceSharding)
            for t in flat_target.values()):
-        return _restore_one_device(params_dir, target, use_zarr3=item_metadata.use_zarr3)
+        return _restore_one_device(params_dir, target, use_zarr3=item_metadata.use_zarr3,
+                                   digests=digests)
+    if digests is not None:  # orbax reads shards; check each array whole first
+        bad = _verify_arrays(params_dir, digests, use_zarr3=item_metadata.use_zarr3,
+                             first_only=True)
+        if bad:
+            raise CheckpointError(_corrupt_message(params_dir, bad))
     in_flight = max(_read_bytes(flat_stored[k], t) for k, t in flat_target.items()) + 1
     restore_args = jax.tree.map(
         lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape,
@@ -326,7 +522,7 @@ def _aligned_empty(shape: tuple, dtype, align: int = 64) -> np.ndarray:
 
 
 def _restore_one_device(params_dir: pathlib.Path, target: dict, *,
-                        use_zarr3: bool) -> dict:
+                        use_zarr3: bool, digests: Mapping[str, dict] | None = None) -> dict:
     """Reads the arrays one at a time onto their (single) devices.
 
     orbax's restore reads each array into a fresh numpy buffer beside tensorstore's own
@@ -339,34 +535,126 @@ def _restore_one_device(params_dir: pathlib.Path, target: dict, *,
     The tensorstore specs come from orbax's public `type_handlers` (the same functions
     its own restore uses); `use_zarr3` is the checkpoint's (its tree metadata's), and
     OCDBT is detected from the checkpoint's files as orbax does.
-    """
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
-    from etils import epath
 
-    path = params_dir.absolute()
-    use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(path)
-    context = ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+    With `digests`, each array is read in its stored dtype and hashed in a background
+    thread while the next one is read (one hash in flight: a stored array is kept at
+    most until the next has been read), then cast on the host if the target's dtype
+    differs (numpy's cast, round to nearest even as tensorstore's). A mismatch is
+    raised, naming the array, before the model is returned.
+    """
+    reader = _ArrayReader(params_dir, use_zarr3=use_zarr3)
+    pending: list[tuple[str, concurrent.futures.Future]] = []
+
+    def check_pending() -> None:
+        while pending:
+            name, digest = pending.pop()
+            if digest.result() != digests[name]["digest"]:
+                raise CheckpointError(_corrupt_message(params_dir, [name]))
 
     def read(keys: tuple, t: jax.ShapeDtypeStruct) -> jax.Array:
         name = ".".join(str(getattr(k, "key", k)) for k in keys)
-        info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(path),
-                                           is_ocdbt_checkpoint=use_ocdbt,
-                                           use_zarr3=use_zarr3, ts_context=context)
-        spec = ocp.type_handlers.get_cast_tspec_deserialize(
-            ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt),
-            ocp.RestoreArgs(dtype=t.dtype))
-        try:
-            store = ts.open(ts.Spec(spec), open=True, read=True, context=context).result()
-            out = _aligned_empty(tuple(store.shape), t.dtype)
-            ts.array(out).write(store).result()
-        except Exception as e:  # tensorstore's errors for missing / corrupt data
-            raise CheckpointError(f"cannot read parameter {name} in {params_dir}: "
-                                  f"{e}") from e
-        del store
+        if digests is None:
+            out = reader.read(name, t.dtype)
+        else:
+            out = reader.read(name, None)
+            check_pending()
+            pending.append((name, hasher.submit(array_digest, out)))
+            if out.dtype != np.dtype(t.dtype):
+                cast = _aligned_empty(out.shape, t.dtype)
+                cast[...] = out
+                out = cast
         return jax.device_put(out, t.sharding).block_until_ready()
 
-    return jax.tree_util.tree_map_with_path(read, target)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load-check") as hasher:
+        restored = jax.tree_util.tree_map_with_path(read, target)
+        if digests is not None:
+            check_pending()
+    return restored
+
+
+class _ArrayReader:
+    """Reads whole stored arrays of an orbax checkpoint by name, through the tensorstore
+    specs of orbax's public `type_handlers`, into 64-byte-aligned numpy buffers."""
+
+    def __init__(self, params_dir: pathlib.Path, *, use_zarr3: bool):
+        import orbax.checkpoint as ocp
+
+        self.params_dir = params_dir
+        self.path = params_dir.absolute()
+        self.use_zarr3 = use_zarr3
+        self.use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self.path)
+        self.context = ocp.type_handlers.get_ts_context(use_ocdbt=self.use_ocdbt)
+
+    def read(self, name: str, dtype=None) -> np.ndarray:
+        """The array `name`, cast to dtype as tensorstore reads it (None: as stored)."""
+        import orbax.checkpoint as ocp
+        import tensorstore as ts
+        from etils import epath
+
+        info = ocp.type_handlers.ParamInfo(name=name, parent_dir=epath.Path(self.path),
+                                           is_ocdbt_checkpoint=self.use_ocdbt,
+                                           use_zarr3=self.use_zarr3, ts_context=self.context)
+        spec = ocp.type_handlers.get_cast_tspec_deserialize(
+            ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self.use_ocdbt),
+            ocp.RestoreArgs(dtype=dtype))
+        try:
+            store = ts.open(ts.Spec(spec), open=True, read=True, context=self.context).result()
+            out = _aligned_empty(tuple(store.shape),
+                                 store.dtype.numpy_dtype if dtype is None else dtype)
+            ts.array(out).write(store).result()
+        except Exception as e:  # tensorstore's errors for missing / corrupt data
+            raise CheckpointError(f"cannot read parameter {name} in {self.params_dir}: "
+                                  f"{str(e)[:300]}") from e
+        return out
+
+
+def _tree_dict(tree):
+    """orbax's metadata tree as plain nested dicts (string keys)."""
+    if isinstance(tree, Mapping):
+        return {str(k): _tree_dict(v) for k, v in tree.items()}
+    return tree
+
+
+def _check_listing(params_dir: pathlib.Path, digests: Mapping[str, dict],
+                   stored: Mapping[str, Any]) -> None:
+    """The digests must list exactly the stored arrays, with their dtypes and shapes."""
+    problems = [f"{n} is stored but has no digest" for n in sorted(set(stored) - set(digests))]
+    problems += [f"{n} has a digest but is not stored" for n in sorted(set(digests) - set(stored))]
+    for name in sorted(set(stored) & set(digests)):
+        meta, entry = stored[name], digests[name]
+        if (list(meta.shape) != entry["shape"]
+                or np.dtype(meta.dtype).name != entry["dtype"]):
+            problems.append(f"{name} is stored as {np.dtype(meta.dtype).name}"
+                            f"{list(meta.shape)}, recorded as {entry['dtype']}{entry['shape']}")
+    if problems:
+        raise CheckpointError(f"parameters in {params_dir} do not match "
+                              f"{DIGESTS_FILE}: " + "; ".join(problems[:6])
+                              + ("; ..." if len(problems) > 6 else ""))
+
+
+def _corrupt_message(params_dir: pathlib.Path, names: list[str]) -> str:
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (f"{params_dir.parent} is corrupt: parameter{'s' if len(names) > 1 else ''} "
+            f"{shown} differ{'' if len(names) > 1 else 's'} from the digest recorded when the "
+            f"folder was written ({DIGESTS_FILE}); convert or copy the model again")
+
+
+def _verify_arrays(params_dir: pathlib.Path, digests: Mapping[str, dict], *,
+                   use_zarr3: bool, first_only: bool = False) -> list[str]:
+    """The names of the stored arrays whose bytes do not match their digests (each read
+    whole in its stored dtype, one at a time)."""
+    reader = _ArrayReader(params_dir, use_zarr3=use_zarr3)
+    bad = []
+    for name in sorted(digests):
+        try:
+            ok = array_digest(reader.read(name)) == digests[name]["digest"]
+        except CheckpointError:
+            ok = False
+        if not ok:
+            bad.append(name)
+            if first_only:
+                break
+    return bad
 
 
 def _read_bytes(meta, target) -> int:
@@ -395,10 +683,50 @@ def _check_shapes(params_dir: pathlib.Path, flat_stored: dict, flat_target: dict
                               + "; ".join(parts))
 
 
+def _read_json_object(path: pathlib.Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not a valid {what}: {str(e)[:120]}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a valid {what}: not a JSON object")
+    return data
+
+
+def check_chat_template(template: str, where) -> None:
+    """Raises CheckpointError for a chat template that is not valid Jinja (it would
+    otherwise fail only when `--chat` first uses it)."""
+    try:
+        import jinja2
+        import jinja2.ext
+    except ImportError:  # transformers needs it to apply templates at all
+        return
+
+    class Generation(jinja2.ext.Extension):
+        # transformers' {% generation %} ... {% endgeneration %} (assistant-token masks)
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body)
+
+    env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation])
+    try:
+        env.parse(template)
+    except jinja2.TemplateError as e:
+        raise CheckpointError(f"the chat template of {where} is not valid Jinja: "
+                              f"{str(e)[:120]}") from None
+
+
 def load_tokenizer(folder: str | os.PathLike):
     """The folder's tokenizer as a transformers PreTrainedTokenizerFast, or None.
 
     Never executes code from the folder (no trust_remote_code).
+
+    Raises:
+      CheckpointError for a tokenizer.json, tokenizer_config.json or chat template that
+      cannot be read.
     """
     folder = resolve(folder)
     if not (folder / "tokenizer.json").is_file():
@@ -408,7 +736,7 @@ def load_tokenizer(folder: str | os.PathLike):
     kwargs: dict[str, Any] = {}
     cfg_path = folder / "tokenizer_config.json"
     if cfg_path.is_file():
-        tok_cfg = json.loads(cfg_path.read_text())
+        tok_cfg = _read_json_object(cfg_path, "tokenizer config")
         for key in ("bos_token", "eos_token", "pad_token", "mask_token", "unk_token"):
             tok = tok_cfg.get(key)
             if isinstance(tok, dict):
@@ -417,12 +745,26 @@ def load_tokenizer(folder: str | os.PathLike):
                 kwargs[key] = tok
         if isinstance(tok_cfg.get("chat_template"), str):
             kwargs["chat_template"] = tok_cfg["chat_template"]
-    if "chat_template" not in kwargs and (folder / "chat_template.jinja").is_file():
-        kwargs["chat_template"] = (folder / "chat_template.jinja").read_text()
-    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **kwargs)
+    template = folder / "chat_template.jinja"
+    if "chat_template" not in kwargs and template.is_file():
+        try:
+            kwargs["chat_template"] = template.read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{template} is not a readable chat template: "
+                                  f"{str(e)[:120]}") from None
+    if "chat_template" in kwargs:
+        check_chat_template(kwargs["chat_template"], folder)
+    tok_path = folder / "tokenizer.json"
+    _read_json_object(tok_path, "tokenizer")  # a clear message for what is not JSON
+    try:
+        return PreTrainedTokenizerFast(tokenizer_file=str(tok_path), **kwargs)
+    except Exception as e:  # the tokenizers library's parse errors have no common type
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{tok_path} is not a valid tokenizer: {first[:160]}") from None
 
 
-def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None):
+def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None,
+         verify: bool | None = None):
     """Loads a converted folder or shipped model.
 
     Args:
@@ -432,9 +774,85 @@ def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None
       mesh: a `jax.sharding.Mesh` or a spec such as "data=2,tensor=4": each parameter
         is restored straight into its shards (`sharding.plan_for`), so no host holds
         the whole model; `generate` then runs on that mesh. None: one device.
+      verify: check every array against the folder's digests.json (see `load_model`);
+        None: yes unless the environment sets ASYNCLANE_VERIFY=0.
     Returns:
       (model, tokenizer or None, ModelConfig).
+    Raises:
+      CheckpointError for a folder that is missing, malformed, corrupt (an array that
+      differs from its digest is named) or whose tokenizer files cannot be read.
     """
     folder = resolve(path_or_name)
-    model = load_model(folder, dtype=dtype, mesh=mesh)
-    return model, load_tokenizer(folder), model.cfg
+    tokenizer = load_tokenizer(folder)  # a bad tokenizer fails before the weights load
+    model = load_model(folder, dtype=dtype, mesh=mesh, verify=verify)
+    return model, tokenizer, model.cfg
+
+
+# --------------------------------------------------------------------------- verify
+
+def _stored_metadata(params_dir: pathlib.Path):
+    import orbax.checkpoint as ocp
+
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+            item_metadata = ckptr.metadata(params_dir.absolute()).item_metadata
+    except Exception as e:  # orbax raises several types for bad checkpoints
+        raise CheckpointError(f"cannot read parameters in {params_dir}: "
+                              f"{str(e)[:300]}") from e
+    return flat_arrays(_tree_dict(item_metadata.tree)), item_metadata.use_zarr3
+
+
+def verify_folder(folder: str | os.PathLike) -> int:
+    """Checks a converted folder on demand: its config, that its parameters fit the
+    config, and every stored array against digests.json.
+
+    Returns:
+      The number of arrays checked.
+    Raises:
+      CheckpointError naming every array that differs from its digest (or the first
+      problem found with the config, the parameters or digests.json).
+    """
+    folder = resolve(folder)
+    cfg, _ = read_config(folder)
+    digests = read_digests(folder)
+    if digests is None:
+        raise CheckpointError(f"{folder} has no {DIGESTS_FILE} (written before digests were "
+                              "recorded): there is nothing to check it against; convert it "
+                              "again to get one")
+    params_dir = folder / PARAMS_DIR
+    stored, use_zarr3 = _stored_metadata(params_dir)
+    _, abs_state = nnx.split(abstract_model(cfg))
+    template = _str_keys(nnx.to_pure_dict(abs_state))
+    _check_shapes(params_dir, _flat(_tree_dict_of_meta(stored)), _flat(template))
+    _check_listing(params_dir, digests, stored)
+    bad = _verify_arrays(params_dir, digests, use_zarr3=use_zarr3)
+    if bad:
+        raise CheckpointError(_corrupt_message(params_dir, bad))
+    return len(digests)
+
+
+def _tree_dict_of_meta(flat: Mapping[str, Any]) -> dict:
+    """{"a.b": meta} -> {"a": {"b": meta}} (for `_flat`'s key strings)."""
+    tree: dict = {}
+    for name, meta in flat.items():
+        node = tree
+        *parents, last = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = meta
+    return tree
+
+
+def record_digests(folder: str | os.PathLike) -> int:
+    """Writes digests.json for a folder that has none, from its arrays as they are now
+    (for folders written before digests were recorded, e.g. the shipped models): the
+    same `digest_entry` the converter records. Returns the number of arrays.
+    """
+    folder = resolve(folder)
+    read_config(folder)
+    params_dir = folder / PARAMS_DIR
+    stored, use_zarr3 = _stored_metadata(params_dir)
+    reader = _ArrayReader(params_dir, use_zarr3=use_zarr3)
+    entries = {name: digest_entry(reader.read(name)) for name in sorted(stored)}
+    write_digests(folder, entries)
+    return len(entries)

@@ -4,6 +4,7 @@ Subcommands:
   info      parameter counts of a preset or converted folder (no weights allocated)
   convert   Hugging Face LLaDA / Dream checkpoint -> converted folder (registered by
             checkpoints_convert through the `asynclane_jax.commands` entry points)
+  verify    check a converted folder's stored arrays against their digests
   generate  decode a prompt with a sampler
   eval      accuracy and speed of a sampler on the testbed's held-out problems
   bench     samplers side by side (accuracy, tokens/s) at several generation lengths
@@ -49,6 +50,14 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from asynclane_jax.checkpoint import printable, resolve, verify_folder
+
+    n = verify_folder(args.model)
+    print(f"OK: {printable(resolve(args.model))}: {n} arrays match their digests")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynclane-jax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a converted folder or shipped model name")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("verify", help="check a converted folder's arrays against their digests",
+                       description="Reads every stored array of a converted folder and "
+                                   "checks it against the digest recorded when the folder "
+                                   "was written (digests.json): exit 0 with one OK line, or "
+                                   "2 naming the arrays that differ.")
+    p.add_argument("model", metavar="DIR", help="a converted folder or shipped model name")
+    p.set_defaults(func=_cmd_verify)
 
     generate_cli.register(sub)
     bench.register(sub)

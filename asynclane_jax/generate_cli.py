@@ -93,6 +93,26 @@ def _gen_length(args, default: int) -> int:
     return args.gen_length
 
 
+def check_utf8(text: str, what: str = "the prompt") -> str:
+    """The text, if it is valid Unicode; UsageError otherwise.
+
+    Command-line bytes that are not UTF-8 reach Python as lone surrogates
+    (surrogateescape), which a tokenizer cannot encode; they are named here, as the
+    bytes they were.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        try:
+            raw = text[e.start:e.end].encode("utf-8", "surrogateescape")
+            shown = " ".join(f"0x{b:02x}" for b in raw[:8])
+        except UnicodeEncodeError:
+            shown = repr(text[e.start:e.end])
+        raise UsageError(f"{what} is not valid UTF-8 text (bytes {shown} at character "
+                         f"{e.start}); pass it as UTF-8") from None
+    return text
+
+
 def unknown_words(tokenizer, text: str) -> list[str]:
     """The pieces of text the tokenizer can only read as its unknown token."""
     unk = getattr(tokenizer, "unk_token_id", None)
@@ -106,6 +126,7 @@ def unknown_words(tokenizer, text: str) -> list[str]:
 def _cmd_generate(args) -> int:
     import asynclane_jax
 
+    check_utf8(args.prompt)
     gen_length = _gen_length(args, 128)
     sampler, opts = _sampler_and_options(args)
     if args.trace:
@@ -158,10 +179,13 @@ def _cmd_generate(args) -> int:
 
 def _cmd_eval(args) -> int:
     import asynclane_jax
-    from asynclane_jax.testbed.evaluate import evaluate
+    from asynclane_jax.testbed.evaluate import SPLIT_SIZES, evaluate
 
     if args.n <= 0:
         raise UsageError(f"--n {args.n}: must be a positive number of problems")
+    if args.n > SPLIT_SIZES["heldout"]:
+        raise UsageError(f"--n {args.n}: the held-out split has {SPLIT_SIZES['heldout']} "
+                         f"problems; ask for at most {SPLIT_SIZES['heldout']}")
     gen_length = _gen_length(args, 256)
     sampler, opts = _sampler_and_options(args)
     model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh)

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import sys
 
 from asynclane_jax.errors import USER_ERRORS
-from checkpoints_convert.convert import OUTPUT_DTYPES
+from checkpoints_convert.convert import OUTPUT_DTYPES, sigterm_as_interrupt
 
 DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint (optionally with a "
                "PEFT LoRA adapter merged in) into an asynclane-jax folder: streaming, atomic, "
@@ -43,34 +41,22 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    # A terminated conversion must still remove its temporary folder.
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run(args) -> int:
     """Runs one conversion from parsed arguments; returns the exit status."""
     from checkpoints_convert import convert as conv
 
-    with _sigterm_as_interrupt():
+    # SIGINT / SIGTERM: the conversion removes its temporary folder (see convert).
+    with sigterm_as_interrupt():
         result = conv.convert(args.src, args.dst, dtype=args.dtype, lora=args.lora,
                               force=args.force, progress=not args.no_progress,
                               block_causal=args.block_causal)
-    print(result.summary())
-    if args.verify:
-        return _verify(args, result)
-    return 0
+        try:
+            print(result.summary())
+            return _verify(args, result) if args.verify else 0
+        except KeyboardInterrupt:  # the folder is in place: say so, not "nothing written"
+            print(f"interrupted{' during --verify' if args.verify else ''}; the converted "
+                  f"folder {result.dst} is complete", file=sys.stderr)
+            return 130
 
 
 def _verify(args, result) -> int:
@@ -86,6 +72,10 @@ def _verify(args, result) -> int:
     snap, cfg, _, adapter = conv.prepare(args.src, dtype=result.cfg.param_dtype, lora=args.lora)
     report = verify_converted(snap, result.dst, adapter=adapter, out_dtype=cfg.param_dtype)
     print(report.line())
+    if report.nonfinite_params or report.nonfinite_logits:
+        print(f"verify: FAILED ({report.nonfinite_params:,} non-finite weights, "
+              f"{report.nonfinite_logits:,} non-finite logits)", file=sys.stderr)
+        return 1
     if report.top1_rate < 0.9:
         print("verify: FAILED (top-1 agreement below 90%)", file=sys.stderr)
         return 1

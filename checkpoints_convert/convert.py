@@ -11,24 +11,37 @@ never exists in its source layout; the orbax write adds nothing (see
 tensor for a LoRA-merged or `.bin` source); measured in experiments/results/
 load_memory.md. Output goes to a temporary folder beside DST that is renamed into place
 at the end, so an interrupted run leaves no DST.
+
+Each output array is also checked for non-finite values and its digest recorded
+(`checkpoint.array_digest`, in a background thread while the next tensor is read) into
+digests.json, which `load` and `asynclane-jax verify` check the stored arrays against.
+
+SIGINT and SIGTERM stop a conversion and remove its temporary folder: while tensors are
+read they act at once; during orbax's write, the final renames and the removal itself
+they are held until that step ends (orbax's writer threads would otherwise go on filling
+a folder being removed), then act.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
 import pathlib
-import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
 
 from asynclane_jax import checkpoint
+from asynclane_jax.checkpoint import signals_held
 from asynclane_jax.models.config import ModelConfig, from_hf_config
 from checkpoints_convert import lora as lora_mod
 from checkpoints_convert import reader
@@ -65,7 +78,8 @@ class ConvertResult:
         merged = f", {self.lora_tensors} LoRA-merged" if self.lora_tensors else ""
         return (f"converted {self.cfg.family}: {self.n_tensors} tensors{merged} "
                 f"({self.n_params:,} parameters) from {self.n_shards} {self.source_kind} "
-                f"shard(s), {self.source_bytes / 2**30:.2f} GiB -> {self.dst} "
+                f"shard(s), {self.source_bytes / 2**30:.2f} GiB -> "
+                f"{checkpoint.printable(self.dst)} "
                 f"({self.cfg.param_dtype}, {self.output_bytes / 2**30:.2f} GiB) "
                 f"in {self.seconds:.1f} s")
 
@@ -101,6 +115,43 @@ def read_output(source: reader.TensorSource, assignment: Assignment, dtype: np.d
         else:
             out[start:stop] = block
     return out
+
+
+def count_nonfinite(array: np.ndarray, block_bytes: int = BLOCK_BYTES) -> int:
+    """NaN and infinite values in a floating array, counted a block at a time (no
+    array-sized temporary)."""
+    try:
+        ml_dtypes.finfo(array.dtype)  # numpy's floats and bfloat16
+    except ValueError:
+        return 0  # integers and booleans are always finite
+    flat = array.reshape(-1)
+    step = max(1, block_bytes // max(1, array.dtype.itemsize))
+    return sum(int(flat[i:i + step].size - np.count_nonzero(np.isfinite(flat[i:i + step])))
+               for i in range(0, flat.size, step))
+
+
+def inspect_output(array: np.ndarray) -> tuple[dict, int]:
+    """(its digests.json entry, its count of non-finite values): what the converter
+    records and checks of each output array."""
+    return checkpoint.digest_entry(array), count_nonfinite(array)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside (as SIGINT does), so that a terminated
+    conversion still removes its temporary folder. Main thread only; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _set(tree: dict, path: tuple, value) -> None:
@@ -141,9 +192,28 @@ def end_of_turn_from_tokenizer(folder: pathlib.Path, cfg: ModelConfig) -> int | 
     return None
 
 
-def _check_destination(src: pathlib.Path, dst: pathlib.Path, force: bool) -> None:
-    s, d = src.resolve(), dst.resolve()
-    if s == d or d in s.parents:
+def _check_destination(src: pathlib.Path | None, dst: pathlib.Path, force: bool) -> None:
+    try:
+        _check_destination_paths(src, dst, force)
+    except OSError as e:  # a name too long, a parent that is a file, a link loop, ...
+        raise ConvertError(f"output {dst}: {e.strerror or e}") from None
+
+
+def _check_destination_paths(src: pathlib.Path | None, dst: pathlib.Path,
+                             force: bool) -> None:
+    if dst.is_symlink() and not dst.exists():
+        raise ConvertError(f"output {dst} is a symbolic link to {os.readlink(dst)}, which "
+                           "does not exist; remove the link or choose another DST")
+    for parent in dst.parents:
+        if parent.is_symlink() and not parent.exists():
+            raise ConvertError(f"output {dst}: {parent} is a symbolic link to "
+                               f"{os.readlink(parent)}, which does not exist")
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConvertError(f"output {dst}: {parent} is a file, not a folder")
+            break
+    if src is not None and (src.resolve() == dst.resolve()
+                            or dst.resolve() in src.resolve().parents):
         raise ConvertError(f"output {dst} would overwrite the source {src}; choose another DST")
     if dst.exists() and not force:
         raise ConvertError(f"output {dst} already exists; pass --force to replace it")
@@ -170,6 +240,7 @@ def prepare(src: str, *, dtype: str | None = None, lora: str | None = None,
     if out_dtype not in NP_DTYPES:
         out_dtype = "float32"
     cfg = from_hf_config(snap.hf_config, dtype=out_dtype)
+    check_tokenizer_files(snap.folder)
     if cfg.eot_token_id is None:
         # Instruct models end a turn with a token their config.json does not name; without
         # it, generation would run on past the answer where the authors' code stops.
@@ -186,6 +257,45 @@ def prepare(src: str, *, dtype: str | None = None, lora: str | None = None,
         raise ConvertError("the LoRA adapter does not fit the checkpoint: "
                            + "; ".join(lora_problems[:8]) + "; nothing was written")
     return snap, cfg, assignments, adapter
+
+
+# Tokenizer files that must be JSON objects when present.
+_JSON_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json",
+                         "added_tokens.json", "generation_config.json", "vocab.json")
+
+
+def check_tokenizer_files(folder: pathlib.Path) -> None:
+    """Refuses tokenizer files a converted folder could not be loaded with: a
+    tokenizer.json the tokenizers library cannot parse, JSON files that are not JSON
+    objects, a chat template or merges.txt that is not UTF-8 text, a chat template that
+    is not valid Jinja.
+
+    Raises:
+      ConvertError naming the file.
+    """
+    for name in _JSON_TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file() and not isinstance(reader._json_file(path), dict):
+            raise ConvertError(f"{path} is not a valid tokenizer file: not a JSON object")
+    for name in ("chat_template.jinja", "merges.txt"):
+        path = folder / name
+        if path.is_file():
+            try:
+                path.read_text(encoding="utf-8")
+            except (OSError, ValueError) as e:
+                raise ConvertError(f"{path} is not a valid tokenizer file: {e}") from None
+    for template in reader.chat_templates(folder):
+        checkpoint.check_chat_template(template, folder)
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(path))
+        except Exception as e:  # the library's parse errors have no common type
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConvertError(f"{path} is not a valid tokenizer: {first[:160]}; nothing "
+                               "was written") from None
 
 
 def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
@@ -210,13 +320,21 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
     Returns:
       A ConvertResult.
     """
+    with sigterm_as_interrupt():
+        return _convert(src, dst, dtype=dtype, lora=lora, force=force, progress=progress,
+                        cache_dir=cache_dir, block_causal=block_causal, on_tensor=on_tensor)
+
+
+def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
+             on_tensor) -> ConvertResult:
     t0 = time.perf_counter()
-    dst = pathlib.Path(dst).expanduser().absolute()
-    src_path = pathlib.Path(src).expanduser()
-    if src_path.exists():
-        _check_destination(src_path, dst, force)
-    elif dst.exists() and not force:
-        raise ConvertError(f"output {dst} already exists; pass --force to replace it")
+    dst = reader.user_path(dst).absolute()
+    src_path = reader.user_path(src)
+    try:
+        src_exists = src_path.exists()
+    except OSError:  # resolve_source names the problem
+        src_exists = False
+    _check_destination(src_path if src_exists else None, dst, force)
     snap, cfg, assignments, adapter = prepare(src, dtype=dtype, lora=lora, cache_dir=cache_dir)
     _check_destination(snap.folder, dst, force)
     out_dtype = NP_DTYPES[cfg.param_dtype]
@@ -224,13 +342,23 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
 
     from tqdm import tqdm
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp = None
+    # Hashing and the finiteness check of each output run here while the next is read.
+    inspector = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="convert-check")
     try:
+        with signals_held():
+            try:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-",
+                                                    dir=dst.parent))
+            except OSError as e:
+                raise ConvertError(f"cannot create the output beside {dst}: "
+                                   f"{e.strerror or e}") from None
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
         params: dict = {}
+        checks: dict[str, concurrent.futures.Future] = {}
         n_params = out_bytes = merged = 0
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
@@ -245,11 +373,15 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
                 if out.shape != a.shape:  # plan() checked; guards a reader bug
                     raise ConvertError(f"{info.name} -> {path_str(a.target)}: shape {out.shape}")
                 _set(params, a.target, out)
+                checks[info.name] = inspector.submit(inspect_output, out)
+                _refuse_nonfinite({k: f for k, f in checks.items() if f.done()}, adapter)
                 n_params += out.size
                 out_bytes += out.nbytes
                 bar.update(info.nbytes)
                 if on_tensor is not None:
                     on_tensor(info.name)
+        _refuse_nonfinite(checks, adapter)
+        digests = {path_str(assignments[n].target): f.result()[0] for n, f in checks.items()}
         extra = {"converted_from": {
             "source": str(src), "format": snap.kind, "shards": [p.name for p in snap.shards],
             "tensors": len(assignments), "source_dtype": snap.float_dtype(),
@@ -257,15 +389,34 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
             "lora_config": adapter.config if adapter else None}}
         cfg = cfg.replace(block_causal=block_causal)
         checkpoint.write_config(tmp, cfg, snap.hf_config, extra)
-        checkpoint.save_params(tmp / checkpoint.PARAMS_DIR, params)
+        checkpoint.write_digests(tmp, digests)
+        with signals_held():  # orbax's writer threads must finish before tmp is removed
+            checkpoint.save_params(tmp / checkpoint.PARAMS_DIR, params)
         del params
         copy_tokenizer(snap.folder, tmp, cfg.family)
-        _install(tmp, dst)
+        # Too late to stop once the rename starts: a signal during it is dropped and the
+        # conversion completes.
+        with signals_held(raise_after=False):
+            _install(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        inspector.shutdown(wait=True, cancel_futures=True)
+        checkpoint.remove_tree(tmp)
         raise
+    inspector.shutdown(wait=True)
     return ConvertResult(dst, cfg, snap.kind, len(snap.shards), len(assignments), n_params,
                          total, out_bytes, merged, time.perf_counter() - t0)
+
+
+def _refuse_nonfinite(checks: Mapping[str, concurrent.futures.Future], adapter) -> None:
+    bad = {name: n for name, f in checks.items() if (n := f.result()[1])}
+    if bad:
+        merged = [n for n in bad if adapter is not None and n in adapter.pairs]
+        shown = ", ".join(f"{n} ({k:,})" for n, k in list(bad.items())[:4])
+        raise ConvertError(
+            f"{len(bad)} tensor(s) hold NaN or infinite values: {shown}"
+            + (f"; {len(merged)} of them merged with the LoRA adapter, whose tensors or "
+               "alpha may be at fault" if merged else "")
+            + "; nothing was written")
 
 
 def copy_tokenizer(src: pathlib.Path, dst: pathlib.Path, family: str) -> list[str]:
@@ -312,4 +463,4 @@ def _install(tmp: pathlib.Path, dst: pathlib.Path) -> None:
         os.replace(old / "x", dst)
         raise
     finally:
-        shutil.rmtree(old, ignore_errors=True)
+        checkpoint.remove_tree(old)

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
+from asynclane_jax.models.config import is_int, is_real, show
 from checkpoints_convert import reader
 from checkpoints_convert.names import ConvertError
 
@@ -94,6 +95,45 @@ def _check_base_copy(base: str, weight: np.ndarray, copy: np.ndarray) -> None:
                            "model; nothing was written")
 
 
+def _valid_regex(pattern) -> bool:
+    try:
+        re.compile(pattern)
+    except (re.error, TypeError, RecursionError, OverflowError):
+        return False
+    return True
+
+
+def _pattern_problems(config: Mapping) -> list[str]:
+    """What is wrong with an adapter's target_modules, rank_pattern and alpha_pattern:
+    targets are a regex string or a list of module-name suffixes; the patterns map
+    module-name regexes to positive integer ranks / finite positive alphas."""
+    problems = []
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        if not _valid_regex(targets):
+            problems.append(f"target_modules={show(targets)} (not a valid regular expression)")
+    elif targets is not None and not (isinstance(targets, list)
+                                      and all(isinstance(t, str) and t for t in targets)):
+        problems.append(f"target_modules={show(targets)} (need a regular expression or a "
+                        "list of module names)")
+    for key, check, need in (("rank_pattern", lambda v: is_int(v) and v > 0,
+                              "positive integer ranks"),
+                             ("alpha_pattern", lambda v: is_real(v) and v > 0,
+                              "finite positive alphas")):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, dict):
+            problems.append(f"{key}={show(patterns)} (need an object of module patterns)")
+            continue
+        bad = [f"{show(k)}: {show(v)}" for k, v in patterns.items()
+               if not _valid_regex(rf"(.*\.)?{k}") or not check(v)]
+        if bad:
+            problems.append(f"{key} entries {', '.join(bad[:4])} (need valid module "
+                            f"patterns with {need})")
+    return problems
+
+
 def _pattern_value(patterns: Mapping[str, float] | None, module: str, default):
     # PEFT keys rank_pattern / alpha_pattern by a module-name suffix (or regex).
     for key, value in (patterns or {}).items():
@@ -113,8 +153,12 @@ def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
       activated LoRA, trained biases, modules_to_save, non-LoRA PEFT types), or unpaired
       tensors.
     """
-    folder = pathlib.Path(folder).expanduser()
-    if not folder.is_dir():
+    folder = reader.user_path(folder)
+    try:
+        is_dir = folder.is_dir()
+    except OSError as e:  # a name too long for the OS, ...
+        raise ConvertError(f"LoRA adapter folder {show(str(folder))}: {e.strerror or e}") from None
+    if not is_dir:
         raise ConvertError(f"LoRA adapter folder {folder} does not exist")
     cfg_path = folder / "adapter_config.json"
     if not cfg_path.is_file():
@@ -142,9 +186,13 @@ def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
         problems.append(f"modules_to_save={config.get('modules_to_save')} (fully trained "
                         "extra modules are not supported)")
     r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)):
-        problems.append(f"r={r!r}, lora_alpha={alpha!r} (need a positive integer r and a "
-                        "numeric lora_alpha)")
+    if not is_int(r) or r <= 0:
+        problems.append(f"r={show(r)} (need a positive integer rank)")
+    if not is_real(alpha) or alpha <= 0:
+        problems.append(f"lora_alpha={show(alpha)} (need a finite positive number)")
+    if not isinstance(config.get("use_rslora", False), bool):
+        problems.append(f"use_rslora={show(config.get('use_rslora'))} (need true or false)")
+    problems += _pattern_problems(config)
     if problems:
         raise ConvertError(f"unsupported LoRA adapter {folder}: " + "; ".join(problems))
 
@@ -180,13 +228,23 @@ def load_adapter(folder: str | pathlib.Path) -> LoraAdapter:
                             f"({', '.join(unknown[:6])})",
                 unpaired and f"{len(unpaired)} modules lacking lora_A or lora_B "
                              f"({', '.join(unpaired[:6])})"])))
-    pairs = {}
+    pairs, wrong_rank = {}, []
     for module, h in halves.items():
         rank = _pattern_value(config.get("rank_pattern"), module, r)
         a_alpha = _pattern_value(config.get("alpha_pattern"), module, alpha)
         scale = a_alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        if (len(h["A"].shape) != 2 or h["A"].shape[0] != rank or len(h["B"].shape) != 2
+                or h["B"].shape[1] != rank):
+            wrong_rank.append(f"{module} (A {list(h['A'].shape)}, B {list(h['B'].shape)}, "
+                              f"rank {rank})")
+        if not math.isfinite(scale) or scale <= 0:
+            wrong_rank.append(f"{module} (scale alpha/r = {scale})")
         pairs[f"{module}.weight"] = LoraPair(f"{module}.weight", h["A"], h["B"], float(scale),
                                              copies.get(module))
+    if wrong_rank:
+        raise ConvertError(f"LoRA adapter {folder}: {len(wrong_rank)} modules whose tensors "
+                           "do not have the rank adapter_config.json gives them: "
+                           + "; ".join(wrong_rank[:4]))
     return LoraAdapter(folder, config, pairs, kind, state)
 
 

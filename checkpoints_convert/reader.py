@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import ml_dtypes
 import numpy as np
 
+from asynclane_jax.models.config import is_int, show
 from checkpoints_convert.names import ConvertError
 
 # safetensors dtype tag -> numpy dtype.
@@ -30,7 +31,8 @@ _ST_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_), "U16": np.dtype(np.uint16),
+    "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64),
 }
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
 _MAX_HEADER = 100 * 2**20  # a header larger than this is corrupt, not big
@@ -114,6 +116,14 @@ class TensorSource:
 
 # --------------------------------------------------------------------------- locating
 
+def user_path(path) -> pathlib.Path:
+    """pathlib.Path(path) with a leading ~ expanded (left as is for an unknown user)."""
+    try:
+        return pathlib.Path(path).expanduser()
+    except RuntimeError:  # "~nobody/x": no such user's home
+        return pathlib.Path(path)
+
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -122,7 +132,14 @@ def resolve_source(src: str, *, cache_dir: str | None = None) -> pathlib.Path:
 
     This never downloads: the machine may have no hub access.
     """
-    path = pathlib.Path(src).expanduser()
+    try:
+        return _resolve_source(src, cache_dir=cache_dir)
+    except OSError as e:  # a name too long for the OS, a folder that cannot be listed
+        raise ConvertError(f"source {show(src)}: {e.strerror or e}") from None
+
+
+def _resolve_source(src: str, *, cache_dir: str | None) -> pathlib.Path:
+    path = user_path(src)
     if path.exists():
         if not path.is_dir():
             raise ConvertError(f"source {src} is a file; expected a snapshot folder with "
@@ -152,9 +169,9 @@ def read_hf_config(folder: pathlib.Path) -> dict:
         raise ConvertError(f"no config.json in {folder}; expected a Hugging Face snapshot "
                            "folder (config.json plus *.safetensors or pytorch_model*.bin)")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path} is not valid JSON: {e}") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # JSON and UTF-8 errors: ValueError
+        raise ConvertError(f"{path} is not valid JSON: {str(e)[:120]}") from None
     if not isinstance(data, dict):
         raise ConvertError(f"{path} does not hold a JSON object")
     return data
@@ -162,9 +179,9 @@ def read_hf_config(folder: pathlib.Path) -> dict:
 
 def _json_file(path: pathlib.Path):
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConvertError(f"{path} is not valid JSON: {e}") from None
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConvertError(f"{path} is not valid JSON: {str(e)[:120]}") from None
 
 
 def added_tokens(folder: pathlib.Path) -> dict[str, int]:
@@ -183,7 +200,7 @@ def added_tokens(folder: pathlib.Path) -> dict[str, int]:
     if isinstance(decoder, dict):
         out.update({t["content"]: int(i) for i, t in decoder.items()
                     if isinstance(t, dict) and isinstance(t.get("content"), str)
-                    and str(i).isdigit()})
+                    and re.fullmatch(r"[0-9]+", str(i))})
     tok = _json_file(folder / "tokenizer.json")
     for t in (tok.get("added_tokens") or []) if isinstance(tok, dict) else []:
         if isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(
@@ -204,7 +221,11 @@ def chat_templates(folder: pathlib.Path) -> list[str]:
         out += [t["template"] for t in template
                 if isinstance(t, dict) and isinstance(t.get("template"), str)]
     if (folder / "chat_template.jinja").is_file():
-        out.append((folder / "chat_template.jinja").read_text())
+        try:
+            out.append((folder / "chat_template.jinja").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ConvertError(f"{folder / 'chat_template.jinja'} is not UTF-8 text: "
+                               f"{str(e)[:120]}") from None
     return out
 
 
@@ -276,8 +297,29 @@ def _find_weights(folder: pathlib.Path):
 
 # --------------------------------------------------------------------------- safetensors
 
+def _unique_keys(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"names repeated in the header: {', '.join(map(show, dup[:4]))}")
+    return dict(pairs)
+
+
 def read_safetensors_header(path: pathlib.Path) -> list[TensorInfo]:
-    """Parses and validates a safetensors header against the file's size."""
+    """Parses and validates a safetensors header as the format specifies, against the
+    file's size.
+
+    The format: an 8-byte little-endian header length N (bounded here by the file and
+    by _MAX_HEADER), then N bytes of UTF-8 JSON starting with "{" (space-padded at the
+    end): an object whose entries are `"__metadata__": {str: str}` or
+    `name: {"dtype": TAG, "shape": [int >= 0, ...], "data_offsets": [begin, end]}`, with
+    offsets relative to the data that follows the header. Every tensor's bytes
+    (end - begin) must be what its dtype and shape need, and the tensors must tile the
+    data exactly: no overlaps, no holes, nothing after the last one.
+
+    Raises:
+      ConvertError naming the shard (and the tensor) for any violation.
+    """
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -289,34 +331,61 @@ def read_safetensors_header(path: pathlib.Path) -> list[TensorInfo]:
             raise ConvertError(f"shard {path.name} is truncated or corrupt: header length "
                                f"{n} does not fit in a {size}-byte file")
         raw = f.read(n)
+
+    def corrupt(what: str) -> ConvertError:
+        return ConvertError(f"shard {path.name} is corrupt: {what}")
+
+    if not raw.startswith(b"{"):
+        raise corrupt("its header does not start with '{' (not a safetensors file)")
     try:
-        header = json.loads(raw)
-        assert isinstance(header, dict)
-    except Exception:
-        raise ConvertError(f"shard {path.name} is corrupt: its header is not valid JSON") from None
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise corrupt(f"its header is not a valid JSON object ({str(e)[:80]})") from None
     data_start = 8 + n
-    infos, end_max = [], 0
+    infos, spans = [], []
     for name, meta in header.items():
         if name == "__metadata__":
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise corrupt("__metadata__ must map strings to strings")
             continue
-        try:
-            dtype_tag, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
-            shape = tuple(int(s) for s in shape)
-        except Exception:
-            raise ConvertError(
-                f"shard {path.name} is corrupt: bad header entry for {name}") from None
-        if dtype_tag not in _ST_DTYPES:
-            raise ConvertError(f"shard {path.name}: tensor {name} has dtype {dtype_tag}, which "
+        where = f"tensor {show(name)}"
+        if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+            raise corrupt(f"{where}: its header entry is not an object with dtype, shape and "
+                          "data_offsets")
+        dtype_tag, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+        if not isinstance(dtype_tag, str) or dtype_tag not in _ST_DTYPES:
+            raise ConvertError(f"shard {path.name}: {where} has dtype {show(dtype_tag)}, which "
                                f"this converter does not read (supported: {sorted(_ST_DTYPES)})")
-        info = TensorInfo(name, shape, _ST_DTYPES[dtype_tag], path, data_start + int(begin))
-        if int(end) - int(begin) != info.nbytes or begin < 0:
-            raise ConvertError(f"shard {path.name} is corrupt: tensor {name} spans "
-                               f"{int(end) - int(begin)} bytes, its shape needs {info.nbytes}")
-        end_max = max(end_max, int(end))
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise corrupt(f"{where}: shape {show(shape)} is not a list of integers >= 0")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(is_int(o) for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+            raise corrupt(f"{where}: data_offsets {show(offsets)} are not two integers "
+                          "0 <= begin <= end")
+        begin, end = offsets
+        info = TensorInfo(name, tuple(shape), _ST_DTYPES[dtype_tag], path, data_start + begin)
+        if end - begin != info.nbytes:
+            raise corrupt(f"{where} spans {end - begin} bytes, its shape needs {info.nbytes}")
         infos.append(info)
+        spans.append((begin, end, name))
+    end_max = max((e for _, e, _ in spans), default=0)
     if data_start + end_max > size:
         raise ConvertError(f"shard {path.name} is truncated: its header describes "
                            f"{data_start + end_max} bytes, the file has {size}")
+    covered = 0
+    previous = None
+    for begin, end, name in sorted(spans):
+        if begin < covered:
+            raise corrupt(f"tensors {show(previous)} and {show(name)} overlap (bytes "
+                          f"{begin}..{covered} of the data)")
+        if begin > covered:
+            raise corrupt(f"bytes {covered}..{begin} of the data belong to no tensor")
+        covered, previous = end, name
+    if data_start + covered != size:
+        raise corrupt(f"{size - data_start - covered} bytes after the last tensor belong to "
+                      "no tensor")
     return infos
 
 

@@ -162,6 +162,8 @@ class VerifyReport:
     positions: int
     dtype: str
     reference: str
+    nonfinite_params: int = 0  # NaN / inf values in the converted model's weights
+    nonfinite_logits: int = 0  # ... in either model's logits
 
     @property
     def top1_rate(self) -> float:
@@ -170,7 +172,11 @@ class VerifyReport:
     def line(self) -> str:
         return (f"verify: {self.reference} (is_causal=False) vs converted model, {self.dtype}, "
                 f"{self.positions} positions: max |logit diff| {self.max_abs_diff:.3g}, "
-                f"top-1 agreement {self.top1_agree}/{self.positions} ({100 * self.top1_rate:.1f}%)")
+                f"top-1 agreement {self.top1_agree}/{self.positions} ({100 * self.top1_rate:.1f}%)"
+                + (f", {self.nonfinite_params:,} non-finite weights" if self.nonfinite_params
+                   else "")
+                + (f", {self.nonfinite_logits:,} non-finite logits" if self.nonfinite_logits
+                   else ""))
 
 
 def prompt_tokens(cfg, tokenizer=None, n_masks: int = 8) -> np.ndarray:
@@ -225,8 +231,16 @@ def verify_converted(snapshot, dst, *, adapter=None, out_dtype: str,
     name = type(ref).__name__
     del ref
     model, _, _ = load(dst, dtype=compute)
+    from flax import nnx
+
+    from checkpoints_convert.convert import count_nonfinite
+
+    bad_params = sum(count_nonfinite(np.asarray(x))
+                     for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
     with jax.default_matmul_precision("highest"):
         got = np.asarray(model(jax.numpy.asarray(tokens)), np.float32)
+    bad_logits = int(np.sum(~np.isfinite(got)) + np.sum(~np.isfinite(want)))
     diff = float(np.max(np.abs(got - want)))
     agree = int(np.sum(got.argmax(-1) == want.argmax(-1)))
-    return VerifyReport(diff, agree, int(tokens.size), compute, f"transformers {name}")
+    return VerifyReport(diff, agree, int(tokens.size), compute, f"transformers {name}",
+                        nonfinite_params=bad_params, nonfinite_logits=bad_logits)

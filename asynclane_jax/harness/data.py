@@ -50,6 +50,15 @@ DATA = {
     "testbed": (("family", "prompt", "response", "answer"),
                 "testbed problems (default: tasks/testbed.jsonl)"),
 }
+# What each column must hold (a row with another type is bad data, refused with its row
+# number, rather than run and scored as the model's failure).
+COLUMN_TYPES = {
+    "question": str, "answer": (str, int, float), "problem": str, "text": str, "code": str,
+    "test_list": list, "task_id": (str, int), "prompt": str, "test": str,
+    "entry_point": str, "family": str, "response": str,
+}
+# Columns that must not be empty: a HumanEval row with an empty test would pass anything.
+NON_EMPTY = ("test", "entry_point", "test_list", "prompt", "question", "problem", "text")
 # Task name -> data key (a task not listed reads the key of its own name).
 TASK_DATA_KEY = {"humaneval_instruct": "humaneval"}
 # Data keys that have a file of their own when the user gives none.
@@ -83,8 +92,16 @@ def read_rows(path) -> list[dict]:
             return pq.read_table(path).to_pylist()
         if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
             opener = gzip.open if name.endswith(".gz") else open
+            rows = []
             with opener(path, "rt", encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rows.append(json.loads(line))
+                    except ValueError as e:
+                        raise DataError(f"{path}: line {number} is not JSON: {e}") from None
+            return rows
         if name.endswith(".json"):
             data = json.loads(path.read_text(encoding="utf-8"))
             if isinstance(data, dict):
@@ -92,8 +109,10 @@ def read_rows(path) -> list[dict]:
             if not isinstance(data, list):
                 raise DataError(f"{path}: expected a JSON list of rows")
             return data
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: cannot read it: {e}") from None
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError, RecursionError) as e:  # EOFError: a cut .gz
+        raise DataError(f"{path}: cannot read it: {str(e)[:200]}") from None
     raise DataError(f"{path}: not a data file (expected one of {', '.join(SUFFIXES)})")
 
 
@@ -104,7 +123,10 @@ def _split_files(folder: pathlib.Path, split: str) -> list[pathlib.Path]:
 
 def resolve(key: str, path) -> dict[str, list[pathlib.Path]]:
     """{"test": files, "train": files (maybe empty)} of a data path."""
-    path = pathlib.Path(path).expanduser()
+    try:
+        path = pathlib.Path(path).expanduser()
+    except RuntimeError:  # "~nobody/x"
+        path = pathlib.Path(path)
     if not path.exists():
         raise DataError(f"--data {key}={path}: no such file or folder")
     if path.is_file():
@@ -117,13 +139,34 @@ def resolve(key: str, path) -> dict[str, list[pathlib.Path]]:
 
 
 def _check_columns(key: str, rows: list[dict], where) -> list[dict]:
+    """Every row must be an object holding every column the task needs, of its type
+    (COLUMN_TYPES), and not empty where that would make the row meaningless
+    (NON_EMPTY). Raises DataError naming the first bad row (1-based) and its columns."""
     if not rows:
         raise DataError(f"{where}: no rows")
     need = DATA[key][0]
-    missing = [c for c in need if c not in rows[0]]
-    if missing:
-        raise DataError(f"{where}: rows lack column(s) {', '.join(missing)}; expected "
-                        f"{DATA[key][1]}")
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: row {number} is a {type(row).__name__}, not an object "
+                            f"with columns {', '.join(need)}")
+        missing = [c for c in need if row.get(c) is None]
+        if missing and number == 1:
+            raise DataError(f"{where}: rows lack column(s) {', '.join(missing)}; expected "
+                            f"{DATA[key][1]}")
+        if missing:
+            raise DataError(f"{where}: row {number} has no {', '.join(missing)} (bad data, "
+                            f"not a problem to score); expected {DATA[key][1]}")
+        wrong = [f"{c} ({type(row[c]).__name__})" for c in need
+                 if not isinstance(row[c], COLUMN_TYPES.get(c, object))
+                 or isinstance(row[c], bool)]
+        empty = [c for c in need if c in NON_EMPTY and c not in {w.split()[0] for w in wrong}
+                 and not (row[c].strip() if isinstance(row[c], str) else row[c])]
+        if wrong or empty:
+            raise DataError(f"{where}: row {number} has "
+                            + "; ".join(filter(None, [
+                                wrong and f"column(s) of the wrong type: {', '.join(wrong)}",
+                                empty and f"empty column(s) {', '.join(empty)}"]))
+                            + " (bad data, not a problem to score)")
     return rows
 
 
@@ -158,9 +201,12 @@ def load_rows(key: str, path=None) -> dict[str, list[dict]]:
     files = resolve(key, path)
     out = {}
     for split, paths in files.items():
-        rows = [r for p in paths for r in read_rows(p)]
+        rows = []
+        for p in paths:  # each file checked on its own: a bad row is named in its file
+            part = _renamed(key, read_rows(p))
+            rows += _check_columns(key, part, p) if part else []
         if split == "test" or rows:
-            out[split] = _normalise(key, _check_columns(key, _renamed(key, rows), path))
+            out[split] = _normalise(key, _check_columns(key, rows, path))
     return out
 
 

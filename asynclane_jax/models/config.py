@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,96 @@ import jax.numpy as jnp
 
 FAMILIES = ("llada", "dream")
 DTYPES = ("float32", "bfloat16", "float16")
+
+# Sanity bounds on a config's sizes, checked before any shape is built: a config past
+# them is corrupt or hostile, not a real model (the largest published dense models have
+# ~126 layers, widths ~16k-50k and vocabularies ~256k). Without them a config.json with
+# 10^9 layers would have the converter build 10^9 abstract blocks before anything else.
+SIZE_LIMITS = {
+    "vocab_size": 2**24, "d_model": 2**17, "n_layers": 1024, "n_heads": 2**12,
+    "n_kv_heads": 2**12, "head_dim": 2**12, "mlp_hidden": 2**20, "max_seq_len": 2**24,
+}
+MAX_PARAMS = 10**12  # parameters (a 1T-parameter dense model is 2 TB in bfloat16)
+INT_FIELDS = tuple(SIZE_LIMITS)
+TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
+BOOL_FIELDS = ("qkv_bias", "tie_embeddings", "logit_shift", "block_causal")
+
+
+def show(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters (error messages stay one short line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_int(value) -> bool:
+    """A JSON integer: an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A finite JSON number (int or float, not a bool, not NaN or infinite)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def n_params(cfg_fields: Mapping[str, Any]) -> int:
+    """The parameter count of the model a config describes, by arithmetic (no shapes
+    built): equal to `param_stats(cfg)["params"]`."""
+    c = cfg_fields
+    d, h = c["d_model"], c["head_dim"]
+    q, kv = c["n_heads"] * h, c["n_kv_heads"] * h
+    attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if c.get("qkv_bias") else 0)
+    block = attn + 3 * d * c["mlp_hidden"] + 2 * d
+    head = 0 if c.get("tie_embeddings") else d * c["vocab_size"]
+    return c["vocab_size"] * d + c["n_layers"] * block + d + head
+
+
+def config_problems(c: Mapping[str, Any]) -> list[str]:
+    """Everything wrong with a ModelConfig's fields, field by field (types, ranges,
+    integrality, divisibility, size bounds), without building anything."""
+    problems = []
+    if c.get("family") not in FAMILIES:
+        problems.append(f"family={show(c.get('family'))}: expected one of {FAMILIES}")
+    sizes_ok = True
+    for name, limit in SIZE_LIMITS.items():
+        value = c.get(name)
+        if not is_int(value) or value <= 0:
+            problems.append(f"{name}={show(value)}: must be a positive integer")
+            sizes_ok = False
+        elif value > limit:
+            problems.append(f"{name}={value}: larger than {limit:,}, which no real model "
+                            "is; the config is corrupt")
+            sizes_ok = False
+    if sizes_ok:
+        if c["n_heads"] % c["n_kv_heads"]:
+            problems.append(f"n_heads={c['n_heads']} is not a multiple of "
+                            f"n_kv_heads={c['n_kv_heads']}")
+        if c["head_dim"] % 2:
+            problems.append(f"head_dim={c['head_dim']}: RoPE needs an even head width")
+        total = n_params(c)
+        if total > MAX_PARAMS:
+            problems.append(f"{total:,} parameters: more than {MAX_PARAMS:,}; the config "
+                            "is corrupt")
+    for name in ("rope_theta", "norm_eps"):
+        value = c.get(name)
+        if not is_real(value) or value <= 0:
+            problems.append(f"{name}={show(value)}: must be a finite positive number")
+    if is_real(c.get("norm_eps")) and c["norm_eps"] >= 1:
+        problems.append(f"norm_eps={show(c['norm_eps'])}: must be below 1")
+    vocab = c.get("vocab_size")
+    for name in TOKEN_FIELDS:
+        value = c.get(name)
+        if value is None and name == "eot_token_id":
+            continue
+        if not is_int(value) or (is_int(vocab) and not 0 <= value < vocab) or value < 0:
+            problems.append(f"{name}={show(value)}: must be an id in [0, {vocab})")
+    for name in BOOL_FIELDS:
+        if not isinstance(c.get(name), bool):
+            problems.append(f"{name}={show(c.get(name))}: must be true or false")
+    for name in ("dtype", "param_dtype"):
+        if c.get(name) not in DTYPES:
+            problems.append(f"{name}={show(c.get(name))}: expected one of {DTYPES}")
+    return problems
 
 
 class ConfigError(ValueError):
@@ -74,33 +165,9 @@ class ModelConfig:
     block_causal: bool = False
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ConfigError(f"family={self.family!r}: expected one of {FAMILIES}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                     "head_dim", "mlp_hidden", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name}={value!r}: must be a positive integer")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head width")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta={self.rope_theta!r}: must be positive")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps={self.norm_eps!r}: must be positive")
-        for name in ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id"):
-            value = getattr(self, name)
-            if value is None and name == "eot_token_id":
-                continue
-            if not isinstance(value, int) or not 0 <= value < self.vocab_size:
-                raise ConfigError(f"{name}={value!r}: must be an id in [0, {self.vocab_size})")
-        if not isinstance(self.block_causal, bool):
-            raise ConfigError(f"block_causal={self.block_causal!r}: must be true or false")
-        for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {DTYPES}")
+        problems = config_problems(dataclasses.asdict(self))
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     @property
     def jnp_dtype(self):
@@ -126,10 +193,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"the model config is a {type(data).__name__}, not an object")
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise ConfigError(f"unknown model config fields {unknown}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING
+                   and f.name not in data]
+        if missing:
+            raise ConfigError(f"missing model config fields {missing}")
         return cls(**data)
 
     def to_json(self) -> str:
@@ -207,11 +281,6 @@ def preset(name: str) -> ModelConfig:
 
 # --------------------------------------------------------------------------- HF configs
 
-def _fail_if(cond: bool, problems: list[str], message: str):
-    if cond:
-        problems.append(message)
-
-
 def from_hf_config(hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelConfig:
     """Builds a ModelConfig from a Hugging Face config.json of LLaDA or Dream.
 
@@ -251,22 +320,27 @@ def hf_family(hf: Mapping[str, Any]) -> str:
     Raises:
       ConfigError naming the unsupported model_type / architectures.
     """
+    if not isinstance(hf, Mapping):
+        raise ConfigError(f"the config is a {type(hf).__name__}, not a JSON object")
     model_type = hf.get("model_type")
-    archs = [str(a) for a in hf.get("architectures") or []]
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"architectures={show(archs)}: expected a list of class names")
     arch_families = {HF_ARCHITECTURES.get(a) for a in archs}
     expected = ("expected a LLaDA (model_type 'llada', LLaDAModelLM) or Dream "
                 "('Dream', DreamModel) config")
     if not model_type:
         if len(arch_families) == 1 and None not in arch_families:
             return arch_families.pop()
-        raise ConfigError(f"unsupported model: no model_type, architectures {archs}; {expected}")
-    family = HF_MODEL_TYPES.get(str(model_type).lower())
+        raise ConfigError(f"unsupported model: no model_type, architectures {show(archs)}; "
+                          f"{expected}")
+    family = HF_MODEL_TYPES.get(model_type.lower()) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(
-            f"unsupported model_type {model_type!r} (architectures {archs}); {expected}")
+            f"unsupported model_type {show(model_type)} (architectures {show(archs)}); {expected}")
     if archs and arch_families != {family}:
-        raise ConfigError(f"unsupported architectures {archs} for model_type {model_type!r}; "
-                          f"{expected}")
+        raise ConfigError(f"unsupported architectures {show(archs)} for model_type "
+                          f"{show(model_type)}; {expected}")
     return family
 
 
@@ -278,105 +352,200 @@ def _dtype_of(hf, dtype):
     return torch_dtype if torch_dtype in DTYPES else "float32"
 
 
-def _req(hf, key, problems):
-    if key not in hf or hf[key] is None:
-        problems.append(f"missing required field {key!r}")
-        return None
-    return hf[key]
+_ABSENT = object()
+
+
+class _Fields:
+    """Reads a Hugging Face config.json field by field, checking each value's type,
+    integrality and range, and collecting every problem (nothing is converted by
+    truncation: 32.9 is not 32)."""
+
+    def __init__(self, hf: Mapping[str, Any]):
+        self.hf = hf
+        self.problems: list[str] = []
+
+    def _get(self, key, default):
+        value = self.hf.get(key, _ABSENT)
+        return default if value is _ABSENT or value is None else value
+
+    def size(self, key, default=_ABSENT, *, ours: str | None = None):
+        """A positive integer (an integral float such as 4096.0 is accepted), bounded by
+        SIZE_LIMITS[ours]; None when absent without a default or invalid."""
+        value = self._get(key, default)
+        if value is _ABSENT:
+            self.problems.append(f"missing required field {key!r}")
+            return None
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if not is_int(value):
+            self.problems.append(f"{key}={show(value)}: must be an integer")
+            return None
+        if value <= 0:
+            self.problems.append(f"{key}={value}: must be positive")
+            return None
+        limit = SIZE_LIMITS.get(ours or key)
+        if limit is not None and value > limit:
+            self.problems.append(f"{key}={value}: larger than {limit:,}, which no real model "
+                                 "is; the config is corrupt")
+            return None
+        return value
+
+    def token(self, key, default=None):
+        """A token id (>= 0), or None; a list of ids (eos_token_id of some configs) gives
+        its first."""
+        value = self._get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, list):
+            if not value:
+                self.problems.append(f"{key}=[]: an empty list of token ids")
+                return None
+            value = value[0]
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if not is_int(value) or value < 0:
+            self.problems.append(f"{key}={show(value)}: must be a token id (an integer >= 0)")
+            return None
+        return value
+
+    def number(self, key, default):
+        """A finite positive number."""
+        value = self._get(key, default)
+        if not is_real(value) or value <= 0:
+            self.problems.append(f"{key}={show(value)}: must be a finite positive number")
+            return None
+        return float(value)
+
+    def flag(self, key, default: bool = False) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            self.problems.append(f"{key}={show(value)}: must be true or false")
+            return default
+        return value
+
+    def fail_if(self, cond: bool, message: str) -> None:
+        if cond:
+            self.problems.append(message)
+
+
+def _check_ids(f: _Fields, vocab, ids: Mapping[str, Any]) -> None:
+    if vocab is None:
+        return
+    for key, value in ids.items():
+        if value is not None and value >= vocab:
+            f.problems.append(f"{key}={value}: not an id of the vocabulary [0, {vocab})")
+
+
+def _build(label: str, f: _Fields, **fields) -> ModelConfig:
+    if f.problems:
+        raise ConfigError(f"{label} config: " + "; ".join(f.problems))
+    try:
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{label} config: {e}") from None
 
 
 def _from_llada(hf, dtype):
-    problems: list[str] = []
-    d_model = _req(hf, "d_model", problems)
-    n_layers = _req(hf, "n_layers", problems)
-    n_heads = _req(hf, "n_heads", problems)
-    n_kv = hf.get("n_kv_heads") or n_heads
-    mlp_hidden = hf.get("mlp_hidden_size")
-    if mlp_hidden is None and d_model is not None:
-        mlp_hidden = int(hf.get("mlp_ratio", 4) * d_model)
-    vocab = hf.get("embedding_size") or hf.get("vocab_size")
-    _fail_if(vocab is None, problems, "missing 'vocab_size' / 'embedding_size'")
-    _fail_if(bool(hf.get("alibi")), problems, "alibi=true is not supported (RoPE only)")
-    _fail_if(hf.get("rope") is False, problems, "rope=false is not supported")
-    _fail_if(bool(hf.get("include_bias")), problems, "include_bias=true is not supported")
-    _fail_if(hf.get("clip_qkv") is not None, problems,
-             f"clip_qkv={hf.get('clip_qkv')} is not supported")
-    _fail_if(bool(hf.get("rope_full_precision") is False), problems,
-             "rope_full_precision=false is not supported")
-    _fail_if(bool(hf.get("attention_layer_norm")), problems,
-             "attention_layer_norm=true is not supported")
-    _fail_if(bool(hf.get("multi_query_attention")) and n_kv not in (1, None), problems,
-             "multi_query_attention conflicts with n_kv_heads")
+    f = _Fields(hf)
+    d_model = f.size("d_model")
+    n_layers = f.size("n_layers")
+    n_heads = f.size("n_heads")
+    n_kv = f.size("n_kv_heads", n_heads, ours="n_kv_heads") if n_heads else None
+    if hf.get("mlp_hidden_size") is not None:
+        mlp_hidden = f.size("mlp_hidden_size", ours="mlp_hidden")
+    else:
+        ratio = f.number("mlp_ratio", 4)
+        mlp_hidden = (int(ratio * d_model) if ratio is not None and d_model is not None
+                      else None)
+        if mlp_hidden is not None and not 0 < mlp_hidden <= SIZE_LIMITS["mlp_hidden"]:
+            f.problems.append(f"mlp_ratio={ratio} gives an MLP width of {mlp_hidden}")
+            mlp_hidden = None
+    vocab_key = "embedding_size" if hf.get("embedding_size") is not None else "vocab_size"
+    vocab = f.size(vocab_key, ours="vocab_size")
     if hf.get("multi_query_attention"):
+        f.fail_if(hf.get("n_kv_heads") not in (1, None),
+                  "multi_query_attention conflicts with n_kv_heads")
         n_kv = 1
+    f.fail_if(d_model is not None and n_heads is not None and d_model % n_heads != 0,
+              f"d_model={d_model} is not a multiple of n_heads={n_heads}")
+    f.fail_if(bool(hf.get("alibi")), "alibi=true is not supported (RoPE only)")
+    f.fail_if(hf.get("rope") is False, "rope=false is not supported")
+    f.fail_if(bool(hf.get("include_bias")), "include_bias=true is not supported")
+    f.fail_if(hf.get("clip_qkv") is not None, f"clip_qkv={hf.get('clip_qkv')} is not supported")
+    f.fail_if(bool(hf.get("rope_full_precision") is False),
+              "rope_full_precision=false is not supported")
+    f.fail_if(bool(hf.get("attention_layer_norm")), "attention_layer_norm=true is not supported")
     ln = hf.get("layer_norm_type", "rms")
-    _fail_if(str(ln).lower() not in ("rms", "rmsnorm", "rms_norm"), problems,
-             f"layer_norm_type={ln!r} is not supported (RMSNorm only)")
+    f.fail_if(str(ln).lower() not in ("rms", "rmsnorm", "rms_norm"),
+              f"layer_norm_type={show(ln)} is not supported (RMSNorm only)")
     # LLaDA's llama block computes ff_out(act(ff_proj(x)) * up_proj(x)); only act=silu
     # makes that SwiGLU ("swiglu" would halve ff_proj's output, "sequential" blocks use
     # fused att_proj / ff_proj tensors).
     act = hf.get("activation_type", "silu")
-    _fail_if(str(act).lower() != "silu", problems,
-             f"activation_type={act!r} is not supported (silu in a llama block only)")
+    f.fail_if(str(act).lower() != "silu",
+              f"activation_type={show(act)} is not supported (silu in a llama block only)")
     block = hf.get("block_type", "llama")
-    _fail_if(str(block).lower() != "llama", problems,
-             f"block_type={block!r} is not supported (llama only)")
-    _fail_if(hf.get("layer_norm_with_affine") is False, problems,
-             "layer_norm_with_affine=false is not supported")
-    _fail_if(bool(hf.get("bias_for_layer_norm")), problems,
-             "bias_for_layer_norm=true is not supported")
-    _fail_if(bool(hf.get("input_emb_norm")), problems, "input_emb_norm=true is not supported")
-    _fail_if(hf.get("rope_scaling") not in (None, {}), problems, "rope_scaling is not supported")
-    _fail_if(bool(hf.get("scale_logits")), problems, "scale_logits=true is not supported")
-    if problems:
-        raise ConfigError("LLaDA config: " + "; ".join(problems))
-    mask_id = hf.get("mask_token_id", 126336)
-    eos_id = hf.get("eos_token_id", 126081)
-    pad_id = hf.get("pad_token_id", eos_id)
+    f.fail_if(str(block).lower() != "llama",
+              f"block_type={show(block)} is not supported (llama only)")
+    f.fail_if(hf.get("layer_norm_with_affine") is False,
+              "layer_norm_with_affine=false is not supported")
+    f.fail_if(bool(hf.get("bias_for_layer_norm")), "bias_for_layer_norm=true is not supported")
+    f.fail_if(bool(hf.get("input_emb_norm")), "input_emb_norm=true is not supported")
+    f.fail_if(hf.get("rope_scaling") not in (None, {}), "rope_scaling is not supported")
+    f.fail_if(bool(hf.get("scale_logits")), "scale_logits=true is not supported")
+    rope_theta = f.number("rope_theta", 10000.0)
+    norm_eps = f.number("rms_norm_eps" if hf.get("rms_norm_eps") is not None
+                        else "layer_norm_eps", 1e-5)
+    qkv_bias = f.flag("include_qkv_bias")
+    tie = f.flag("weight_tying")
+    ids = {"mask_token_id": f.token("mask_token_id", 126336),
+           "eos_token_id": f.token("eos_token_id", 126081)}
+    ids["pad_token_id"] = f.token("pad_token_id", ids["eos_token_id"])
+    ids["eot_token_id"] = f.token("eot_token_id")
+    _check_ids(f, vocab, ids)
+    max_len = f.size("max_sequence_length", 4096, ours="max_seq_len")
     dt = _dtype_of(hf, dtype)
-    return ModelConfig(
-        family="llada", vocab_size=int(vocab), d_model=int(d_model), n_layers=int(n_layers),
-        n_heads=int(n_heads), n_kv_heads=int(n_kv), head_dim=int(d_model) // int(n_heads),
-        mlp_hidden=int(mlp_hidden), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", hf.get("layer_norm_eps", 1e-5))),
-        qkv_bias=bool(hf.get("include_qkv_bias", False)),
-        tie_embeddings=bool(hf.get("weight_tying", False)), logit_shift=False,
-        mask_token_id=int(mask_id), eos_token_id=int(eos_id),
-        pad_token_id=int(pad_id if pad_id is not None else eos_id),
-        eot_token_id=hf.get("eot_token_id", None),
-        max_seq_len=int(hf.get("max_sequence_length", 4096)), dtype=dt, param_dtype=dt)
+    return _build("LLaDA", f,
+                  family="llada", vocab_size=vocab, d_model=d_model, n_layers=n_layers,
+                  n_heads=n_heads, n_kv_heads=n_kv,
+                  head_dim=d_model // n_heads if d_model and n_heads else None,
+                  mlp_hidden=mlp_hidden, rope_theta=rope_theta, norm_eps=norm_eps,
+                  qkv_bias=qkv_bias, tie_embeddings=tie, logit_shift=False, **ids,
+                  max_seq_len=max_len, dtype=dt, param_dtype=dt)
 
 
 def _from_dream(hf, dtype):
-    problems: list[str] = []
-    d_model = _req(hf, "hidden_size", problems)
-    n_layers = _req(hf, "num_hidden_layers", problems)
-    n_heads = _req(hf, "num_attention_heads", problems)
-    mlp_hidden = _req(hf, "intermediate_size", problems)
-    vocab = _req(hf, "vocab_size", problems)
-    n_kv = hf.get("num_key_value_heads") or n_heads
-    _fail_if(bool(hf.get("use_sliding_window")), problems,
-             "use_sliding_window=true is not supported")
-    _fail_if(hf.get("rope_scaling") not in (None, {}), problems,
-             f"rope_scaling={hf.get('rope_scaling')} is not supported")
+    f = _Fields(hf)
+    d_model = f.size("hidden_size", ours="d_model")
+    n_layers = f.size("num_hidden_layers", ours="n_layers")
+    n_heads = f.size("num_attention_heads", ours="n_heads")
+    mlp_hidden = f.size("intermediate_size", ours="mlp_hidden")
+    vocab = f.size("vocab_size")
+    n_kv = f.size("num_key_value_heads", n_heads, ours="n_kv_heads") if n_heads else None
+    if hf.get("head_dim") is not None:
+        head_dim = f.size("head_dim")
+    else:
+        f.fail_if(d_model is not None and n_heads is not None and d_model % n_heads != 0,
+                  f"hidden_size={d_model} is not a multiple of num_attention_heads={n_heads}")
+        head_dim = d_model // n_heads if d_model and n_heads else None
+    f.fail_if(bool(hf.get("use_sliding_window")), "use_sliding_window=true is not supported")
+    f.fail_if(hf.get("rope_scaling") not in (None, {}),
+              f"rope_scaling={hf.get('rope_scaling')} is not supported")
     act = hf.get("hidden_act", "silu")
-    _fail_if(act != "silu", problems, f"hidden_act={act!r} is not supported (SwiGLU/silu only)")
-    if problems:
-        raise ConfigError("Dream config: " + "; ".join(problems))
-    mask_id = hf.get("mask_token_id", 151666)
-    eos_id = hf.get("eos_token_id", 151643)
-    if isinstance(eos_id, list):
-        eos_id = eos_id[0]
-    pad_id = hf.get("pad_token_id", eos_id)
-    head_dim = hf.get("head_dim") or int(d_model) // int(n_heads)
+    f.fail_if(act != "silu", f"hidden_act={show(act)} is not supported (SwiGLU/silu only)")
+    rope_theta = f.number("rope_theta", 10000.0)
+    norm_eps = f.number("rms_norm_eps", 1e-6)
+    tie = f.flag("tie_word_embeddings")
+    ids = {"mask_token_id": f.token("mask_token_id", 151666),
+           "eos_token_id": f.token("eos_token_id", 151643)}
+    ids["pad_token_id"] = f.token("pad_token_id", ids["eos_token_id"])
+    ids["eot_token_id"] = f.token("eot_token_id")
+    _check_ids(f, vocab, ids)
+    max_len = f.size("max_position_embeddings", 32768, ours="max_seq_len")
     dt = _dtype_of(hf, dtype)
-    return ModelConfig(
-        family="dream", vocab_size=int(vocab), d_model=int(d_model), n_layers=int(n_layers),
-        n_heads=int(n_heads), n_kv_heads=int(n_kv), head_dim=int(head_dim),
-        mlp_hidden=int(mlp_hidden), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), logit_shift=True,
-        mask_token_id=int(mask_id), eos_token_id=int(eos_id),
-        pad_token_id=int(pad_id if pad_id is not None else eos_id),
-        eot_token_id=hf.get("eot_token_id", None),
-        max_seq_len=int(hf.get("max_position_embeddings", 32768)), dtype=dt, param_dtype=dt)
+    return _build("Dream", f,
+                  family="dream", vocab_size=vocab, d_model=d_model, n_layers=n_layers,
+                  n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, mlp_hidden=mlp_hidden,
+                  rope_theta=rope_theta, norm_eps=norm_eps, qkv_bias=True,
+                  tie_embeddings=tie, logit_shift=True, **ids, max_seq_len=max_len,
+                  dtype=dt, param_dtype=dt)

@@ -20,7 +20,22 @@ from asynclane_jax.testbed import tasks
 from asynclane_jax.testbed import tokenizer as tok
 from asynclane_jax.testbed.tasks import check, line_accuracy
 
-__all__ = ["evaluate", "check", "line_accuracy", "prompts_for", "SpeedTally"]
+__all__ = ["evaluate", "check", "line_accuracy", "prompts_for", "SpeedTally", "SPLIT_SIZES",
+           "check_n"]
+
+# The most problems a split offers. The held-out split is the first HELDOUT_POOL problems
+# of its seed: those are what the training stream skips, so only they are held out. The
+# training stream is endless; this is a sane maximum (the problems are built in memory).
+SPLIT_SIZES = {"heldout": tasks.HELDOUT_POOL, "train": 100_000}
+
+
+def check_n(n, split: str = "heldout") -> None:
+    """Raises ValueError unless n is a number of problems the split has."""
+    if split not in SPLIT_SIZES:
+        raise ValueError(f"split={split!r}: expected one of {sorted(SPLIT_SIZES)}")
+    most = SPLIT_SIZES[split]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+        raise ValueError(f"n={n!r}: the {split} split has {most} problems; ask for 1 to {most}")
 
 
 class SpeedTally:
@@ -102,6 +117,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     """
     from asynclane_jax.decoding import generate
 
+    check_n(n, split)
     problems = tasks.split(split, n)
     prompts = prompts_for(problems, tokenizer)
     bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
@@ -164,6 +180,11 @@ def main(argv=None):
                     help="sampler option KEY=VALUE (repeatable), e.g. threshold=0.9")
     ap.add_argument("--out", default=None, help="write the result JSON here (after each batch)")
     args = ap.parse_args(argv)
+    try:
+        check_n(args.n, args.split)
+    except ValueError as e:
+        print(f"evaluate: error: --n {args.n}: {e}", file=sys.stderr)
+        sys.exit(2)
 
     from asynclane_jax import load
     from asynclane_jax.decoding.registry import parse_options
