@@ -461,7 +461,9 @@ def test_signal_during_conversion_leaves_nothing(signalled, case):
     assert "interrupted" in err
     assert not (out / "dst").exists()
     assert [p.name for p in out.iterdir() if p.name not in ("phase", "stderr")] == []
-    assert seconds < 60
+    # It ends (no hang); the bound is loose because a loaded 2-core machine runs four
+    # such processes, each importing jax, at once.
+    assert seconds < 300
 
 
 @pytest.mark.slow

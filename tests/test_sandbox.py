@@ -316,7 +316,7 @@ def test_sandbox_hand_made_completions(kind, victim):
         f"import os\nos.remove({str(victim)!r})\n",  # deletes a file outside scratch
         "import time\ntime.sleep(60)\n",  # sleeps past the wall clock
     ]
-    results = sandbox.run_many(programs, timeout=2, memory_mb=512, isolation=kind)
+    results = sandbox.run_many(programs, timeout=8, memory_mb=512, isolation=kind)
     assert [r.status for r in results] == ["passed", "failed", "timeout", "memory", "failed",
                                            "timeout"]
     assert victim.read_text() == "keep"
