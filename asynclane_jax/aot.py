@@ -2,7 +2,7 @@
 without a TPU: what a slice must hold per chip, before paying for one.
 
     asynclane-jax aot --preset llada-8b-instruct --sampler asynclane --gen-length 512 \\
-        --batch 8 --topology v5e:2x4 --mesh data=1,tensor=8 [--json]
+        --batch 8 --topology v5e:2x4 --mesh data=1,tensor=8 [--quantize int8] [--json]
 
 The model is abstract (ShapeDtypeStructs: nothing is allocated), the parameters, canvas
 and per-row arrays carry the shardings of `sharding.plan_for` on a mesh laid over the
@@ -21,6 +21,8 @@ entry points in pyproject.toml).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import dataclasses
 import importlib.util
@@ -189,6 +191,8 @@ class AotReport:
       temp_bytes: everything the program allocates while it runs (K/V cache, the loop's
         state, activations, logits);
       code_bytes: the program itself (TPU programs are loaded into HBM).
+    param_bytes is every parameter's bytes as stored (with quantize "int8", the int8
+    kernels and their scales: the program's arguments are those arrays themselves).
     peak_bytes = argument + output - alias + temp + code: all of it is live at once in the
     worst case (the weights and the program for the whole run, the temporaries at their
     high point), so it errs on the safe side. It does not include what the TPU runtime
@@ -209,11 +213,13 @@ class AotReport:
     batch: int
     rows: int
     dtype: str
+    quantize: str
     topology: str
     device_kind: str
     chips: int
     mesh: str
     heads: str
+    scan_layers: bool
     hbm_bytes: int
     param_bytes: int
     argument_bytes: int | None
@@ -246,9 +252,11 @@ class AotReport:
         lines = [f"{self.model} {self.sampler}{' ' + opts if opts else ''}: gen_length "
                  f"{self.gen_length}, prompt {self.prompt_len}, batch {self.batch}"
                  f"{f' (padded to {self.rows} rows)' if self.rows != self.batch else ''}, "
-                 f"{self.dtype}",
+                 f"{self.dtype}"
+                 f"{'' if self.quantize == 'none' else ', ' + self.quantize + ' weights'}",
                  f"on {self.topology}: {self.chips} x {self.device_kind}, "
-                 f"{g(self.hbm_bytes)} HBM each; mesh {self.mesh}, heads {self.heads}"]
+                 f"{g(self.hbm_bytes)} HBM each; mesh {self.mesh}, heads {self.heads}, "
+                 f"layers {'scanned' if self.scan_layers else 'unrolled'}"]
         if self.peak_bytes is not None:
             lines.append(f"per device: arguments {g(self.argument_bytes)}, output "
                          f"{g(self.output_bytes)}, temporaries {g(self.temp_bytes)}, code "
@@ -303,7 +311,9 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
                          batch: int = 1, prompt_len: int = 128, topology: str,
                          mesh: str = "tensor", options: dict | None = None,
                          heads: str = "whole", dtype: str | None = None,
-                         hbm_gib: float | None = None, keep_hlo: bool = False) -> AotReport:
+                         hbm_gib: float | None = None, keep_hlo: bool = False,
+                         scan_layers: bool | None = None,
+                         quantize: str | None = None) -> AotReport:
     """Compiles the whole decode for a TPU slice without weights or a TPU.
 
     Args:
@@ -320,6 +330,10 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
       dtype: parameter and compute dtype (default: the config's).
       hbm_gib: HBM per chip to check against (default: the generation's).
       keep_hlo: keep the compiled HLO text in the report (`hlo_text`).
+      quantize: "int8": the linear layers' weights as int8 arrays with per-channel
+        scales (asynclane_jax.models.quantize), as `load(..., quantize="int8")` gives
+        them; None or "none": in the dtype.
+      scan_layers: the layer layout (`ModelConfig.scan_layers`); None: the config's.
     Returns:
       AotReport (per-device sizes, collectives, compile time, whether it fits).
     Raises:
@@ -334,9 +348,12 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
     from asynclane_jax.decoding import driver
     from asynclane_jax.decoding.api import batch_rows, make_schedule, prompt_bucket
     from asynclane_jax.decoding.schedule import SamplerError
-    from asynclane_jax.models import abstract_model, param_stats
+    from asynclane_jax.models import quantize as quantize_lib
 
+    mode = quantize_lib.check_mode(quantize)
     cfg, name = _config(model, dtype)
+    if scan_layers is not None:
+        cfg = cfg.replace(scan_layers=bool(scan_layers))
     options = dict(options or {})
     if batch < 1 or gen_length < 1 or prompt_len < 1:
         raise AotError("batch, gen_length and prompt_len must be positive")
@@ -352,7 +369,7 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
         raise AotError(str(e)) from None
     rows = batch_rows(batch, plan=plan)
 
-    graphdef, params = nnx.split(abstract_model(cfg))
+    graphdef, params = nnx.split(quantize_lib.abstract_model(cfg, mode))
     operands = schedule.operands()
     key = jax.eval_shape(lambda: jax.random.key(0))
     shapes = (params, jax.ShapeDtypeStruct((rows, P + gen_length), jnp.int32),
@@ -401,9 +418,11 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
     return AotReport(
         model=name, sampler=sampler, options=options, gen_length=gen_length,
         prompt_len=P, batch=batch, rows=rows, dtype=cfg.param_dtype,
+        quantize=mode or "none",
         topology=tpu.topology, device_kind=tpu.device_kind, chips=len(tpu.devices),
-        mesh=sharding.describe(plan.mesh), heads=heads, hbm_bytes=tpu.hbm_bytes,
-        param_bytes=param_stats(cfg)["params"] * jnp.dtype(cfg.param_dtype).itemsize,
+        mesh=sharding.describe(plan.mesh), heads=heads, scan_layers=cfg.scan_layers,
+        hbm_bytes=tpu.hbm_bytes,
+        param_bytes=quantize_lib.weight_bytes(params),
         **sizes, fits=not failure, reason=failure, collectives=collectives,
         lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
         hlo_text=hlo if keep_hlo else None)
@@ -423,6 +442,7 @@ def _oom_message(e: BaseException) -> str:
 def register(subparsers) -> None:
     """Adds the `aot` subcommand to the asynclane-jax command line."""
     from asynclane_jax.models.config import DTYPES, PRESETS
+    from asynclane_jax.models.quantize import CHOICES as QUANTIZE_CHOICES
 
     p = subparsers.add_parser(
         "aot", help="compile the decode for a TPU slice (no weights, no TPU): per-chip "
@@ -450,6 +470,12 @@ def register(subparsers) -> None:
                    help="HBM per chip to check against (default: the generation's: "
                         + ", ".join(f"{k} {v['hbm_gib']}" for k, v in GENERATIONS.items())
                         + ")")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the layers as one scan over stacked parameters "
+                        "(--no-scan-layers: unrolled; default: the config's)")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none",
+                   help="int8: the linear layers' weights as int8 with per-channel scales "
+                        "(default none)")
     p.add_argument("--save-hlo", default=None, metavar="PATH",
                    help="write the compiled program's HLO text here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -475,7 +501,8 @@ def run(args) -> int:
         model, sampler=args.sampler, gen_length=args.gen_length, batch=args.batch,
         prompt_len=args.prompt, topology=args.topology, mesh=args.mesh,
         options=parse_options(args.option), heads=args.heads, dtype=args.dtype,
-        hbm_gib=args.hbm_gib, keep_hlo=bool(args.save_hlo))
+        hbm_gib=args.hbm_gib, keep_hlo=bool(args.save_hlo), scan_layers=args.scan_layers,
+        quantize=args.quantize)
     if args.model:
         report.model = str(args.model)
     if args.save_hlo and report.hlo_text is not None:

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from asynclane_jax.models import quantize as quantize_lib
 from asynclane_jax.models.config import ConfigError, ModelConfig, show
 from asynclane_jax.models.model import DiffusionLM, abstract_model
 
@@ -403,7 +404,8 @@ def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
 
 
 def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
-               mesh=None, verify: bool | None = None) -> DiffusionLM:
+               mesh=None, verify: bool | None = None,
+               scan_layers: bool | None = None, quantize: str | None = None) -> DiffusionLM:
     """Loads the model of a converted folder (or shipped name).
 
     Each parameter is read straight into its final place, one tensor (or a few small
@@ -423,25 +425,107 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         array is hashed once, in memory; on a mesh the arrays are first read whole one
         at a time to be checked). None: yes unless ASYNCLANE_VERIFY=0. A folder without
         digests.json (written before digests were recorded) loads unchecked.
+      scan_layers: the model's layer layout (`ModelConfig.scan_layers`); None: the
+        folder's. A folder stored in the other layout is read as stored (and checked
+        against its digests as stored), then each layer tensor is stacked or split on
+        its devices, exactly, one tensor at a time (`model.stack_layer_params`).
+      quantize: "int8" for int8 weights with per-channel scales in every linear layer
+        (asynclane_jax.models.quantize); each kernel is quantized on its device as soon
+        as it is read (on one device no whole float copy of the weights is ever held;
+        on a mesh orbax reads the float shards first); None or "none": as stored.
     Raises:
       CheckpointError for a folder whose parameters do not match its config or their
       digests (naming the array), and for a mesh that cannot be used (wrong device
-      count, axes other than data/fsdp/tensor).
+      count, axes other than data/fsdp/tensor); QuantizeError for an unknown quantize.
     """
+    mode = quantize_lib.check_mode(quantize)
     folder = resolve(folder)
     cfg, _ = read_config(folder)
     verify = _verify_by_default() if verify is None else verify
     digests = read_digests(folder) if verify else None
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
+    stored_cfg = cfg
+    if scan_layers is not None:
+        cfg = cfg.replace(scan_layers=bool(scan_layers))
     graphdef, abs_state = nnx.split(abstract_model(cfg))
     template = nnx.to_pure_dict(abs_state)
-    shardings = _str_keys(nnx.to_pure_dict(_param_shardings(cfg, abs_state, mesh)))
-    target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          _str_keys(template), shardings)
-    restored = restore_params(folder / PARAMS_DIR, target, digests=digests)
+    target = _target(cfg, abs_state, mesh)
+    read_target, on_read = target, None
+    if mode is not None:  # the float kernels are read, each quantized as it arrives
+        graphdef, abs_state = nnx.split(quantize_lib.abstract_model(cfg, mode))
+        template = nnx.to_pure_dict(abs_state)
+        target = _target(cfg, abs_state, mesh)
+        on_read = _quantize_kernel
+    if stored_cfg.scan_layers == cfg.scan_layers:
+        restored = restore_params(folder / PARAMS_DIR, read_target, digests=digests,
+                                  on_read=on_read)
+    else:  # read in the stored layout, then stack or split the layers on their devices
+        stored_target = _target(stored_cfg, nnx.split(abstract_model(stored_cfg))[1], mesh)
+        restored = relayout_params(
+            restore_params(folder / PARAMS_DIR, stored_target, digests=digests,
+                           on_read=on_read),
+            cfg.n_layers, target)
+    if on_read is not None:  # the scales where the plan puts them
+        restored = jax.tree.map(
+            lambda a, t: a if a.sharding == t.sharding else jax.device_put(a, t.sharding),
+            restored, target)
     nnx.replace_by_pure_dict(abs_state, _restore_keys(restored, template))
     return nnx.merge(graphdef, abs_state)
+
+
+def _quantize_kernel(name: str, array: jax.Array):
+    """`restore_params`' on_read for `load_model(quantize="int8")`: a linear layer's
+    kernel (every stored `...kernel`) becomes {"kernel": int8 values, "scale": scales},
+    computed on its device; any other array is kept."""
+    if not name.endswith("kernel"):
+        return array
+    values, scale = quantize_lib.quantize_array(array)
+    return {"kernel": values, "scale": scale}
+
+
+def _merge_read(tree):
+    """Puts what an on_read returned as a dict in a leaf's place beside it: {"kernel":
+    {"kernel": v, "scale": s}} -> {"kernel": v, "scale": s}."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if k == "kernel" and isinstance(v, dict) and set(v) == {"kernel", "scale"}:
+            out.update(v)
+        else:
+            out[k] = _merge_read(v)
+    return out
+
+
+def _target(cfg: ModelConfig, abs_state: nnx.State, mesh) -> dict:
+    """ShapeDtypeStructs with their shardings for every parameter (string keys)."""
+    shardings = _str_keys(nnx.to_pure_dict(_param_shardings(cfg, abs_state, mesh)))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        _str_keys(nnx.to_pure_dict(abs_state)), shardings)
+
+
+def relayout_params(params: dict, n_layers: int, target: dict) -> dict:
+    """Parameters (string keys, arrays on their devices) in the layer layout of
+    `target` (ShapeDtypeStructs with shardings, as `load_model` builds), each result
+    placed by its target's sharding. Exact; consumes `params`' layers (one layer tensor
+    in both layouts at a time)."""
+    from asynclane_jax.models.model import (layer_layout, stack_layer_params,
+                                            unstack_layer_params)
+
+    want = layer_layout(target)
+    if layer_layout(params) == want:
+        return params
+    layers = params.pop("layers")
+    params = {k: v for k, v in params.items()}
+    if want == "stacked":
+        out = stack_layer_params({"layers": layers}, n_layers)["layers"]
+    else:
+        out = unstack_layer_params({"layers": layers}, n_layers, str_keys=True)["layers"]
+    del layers
+    params["layers"] = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding),
+                                    out, target["layers"])
+    return params
 
 
 def _param_shardings(cfg: ModelConfig, abs_state: nnx.State, mesh) -> nnx.State:
@@ -457,7 +541,7 @@ def _param_shardings(cfg: ModelConfig, abs_state: nnx.State, mesh) -> nnx.State:
 
 
 def restore_params(params_dir: pathlib.Path, target: dict, *,
-                   digests: Mapping[str, dict] | None = None) -> dict:
+                   digests: Mapping[str, dict] | None = None, on_read=None) -> dict:
     """Restores an orbax checkpoint of arrays into `target`'s shapes, dtypes, shardings.
 
     Args:
@@ -465,6 +549,10 @@ def restore_params(params_dir: pathlib.Path, target: dict, *,
       target: nested dict of jax.ShapeDtypeStruct with a sharding each (string keys).
       digests: the folder's digests.json entries: each array is checked against its
         entry as stored (before any dtype cast); None: no check.
+      on_read: called as on_read(name, array) with each array once it is on its
+        device(s) (name as in digests.json); what it returns takes the array's place,
+        and a dict it returns is put beside it (`_merge_read`); on one device the next
+        array is read only then. None: the arrays as read.
     Returns:
       The nested dict of jax.Arrays.
 
@@ -491,8 +579,9 @@ def restore_params(params_dir: pathlib.Path, target: dict, *,
         _check_listing(params_dir, digests, flat_arrays(_tree_dict(stored)))
     if all(isinstance(t.sharding, jax.sharding.SingleDeviceSharding)
            for t in flat_target.values()):
-        return _restore_one_device(params_dir, target, use_zarr3=item_metadata.use_zarr3,
-                                   digests=digests)
+        restored = _restore_one_device(params_dir, target, use_zarr3=item_metadata.use_zarr3,
+                                       digests=digests, on_read=on_read)
+        return restored if on_read is None else _merge_read(restored)
     if digests is not None:  # orbax reads shards; check each array whole first
         bad = _verify_arrays(params_dir, digests, use_zarr3=item_metadata.use_zarr3,
                              first_only=True)
@@ -505,10 +594,16 @@ def restore_params(params_dir: pathlib.Path, target: dict, *,
     handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=in_flight / 10**9)
     with ocp.Checkpointer(handler) as ckptr:
         try:
-            return ckptr.restore(path, args=ocp.args.PyTreeRestore(
+            restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args))
         except Exception as e:
             raise CheckpointError(f"cannot read parameters in {params_dir}: {e}") from e
+    if on_read is None:
+        return restored
+    flat = flat_arrays(restored)
+    for name in list(flat):
+        flat[name] = on_read(name, flat.pop(name))
+    return _merge_read(_tree_dict_of_meta(flat))
 
 
 def _aligned_empty(shape: tuple, dtype, align: int = 64) -> np.ndarray:
@@ -522,7 +617,8 @@ def _aligned_empty(shape: tuple, dtype, align: int = 64) -> np.ndarray:
 
 
 def _restore_one_device(params_dir: pathlib.Path, target: dict, *,
-                        use_zarr3: bool, digests: Mapping[str, dict] | None = None) -> dict:
+                        use_zarr3: bool, digests: Mapping[str, dict] | None = None,
+                        on_read=None) -> dict:
     """Reads the arrays one at a time onto their (single) devices.
 
     orbax's restore reads each array into a fresh numpy buffer beside tensorstore's own
@@ -563,7 +659,8 @@ def _restore_one_device(params_dir: pathlib.Path, target: dict, *,
                 cast = _aligned_empty(out.shape, t.dtype)
                 cast[...] = out
                 out = cast
-        return jax.device_put(out, t.sharding).block_until_ready()
+        placed = jax.device_put(out, t.sharding).block_until_ready()
+        return placed if on_read is None else on_read(name, placed)
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load-check") as hasher:
         restored = jax.tree_util.tree_map_with_path(read, target)
@@ -764,7 +861,8 @@ def load_tokenizer(folder: str | os.PathLike):
 
 
 def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-         verify: bool | None = None):
+         verify: bool | None = None, scan_layers: bool | None = None,
+         quantize: str | None = None):
     """Loads a converted folder or shipped model.
 
     Args:
@@ -776,6 +874,9 @@ def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None
         the whole model; `generate` then runs on that mesh. None: one device.
       verify: check every array against the folder's digests.json (see `load_model`);
         None: yes unless the environment sets ASYNCLANE_VERIFY=0.
+      scan_layers: the model's layer layout (see `load_model`); None: the folder's.
+      quantize: "int8": int8 weights with per-channel scales in the linear layers,
+        quantized as they are read (see `load_model`); None or "none": as stored.
     Returns:
       (model, tokenizer or None, ModelConfig).
     Raises:
@@ -784,7 +885,8 @@ def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None
     """
     folder = resolve(path_or_name)
     tokenizer = load_tokenizer(folder)  # a bad tokenizer fails before the weights load
-    model = load_model(folder, dtype=dtype, mesh=mesh, verify=verify)
+    model = load_model(folder, dtype=dtype, mesh=mesh, verify=verify,
+                       scan_layers=scan_layers, quantize=quantize)
     return model, tokenizer, model.cfg
 
 

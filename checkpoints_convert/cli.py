@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-causal", action="store_true",
                    help="the weights were trained block-causal (a D2F student): the d2f "
                         "sampler then caches finished blocks")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="store the layers stacked ([L, ...] per tensor) for the scanned "
+                        "layer loop; load reads either layout into either")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--verify", action="store_true",
                    help="compare logits with transformers' Llama/Qwen2 (is_causal=False) "
@@ -49,7 +52,8 @@ def run(args) -> int:
     with sigterm_as_interrupt():
         result = conv.convert(args.src, args.dst, dtype=args.dtype, lora=args.lora,
                               force=args.force, progress=not args.no_progress,
-                              block_causal=args.block_causal)
+                              block_causal=args.block_causal,
+                              scan_layers=args.scan_layers)
         try:
             print(result.summary())
             return _verify(args, result) if args.verify else 0

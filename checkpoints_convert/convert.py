@@ -43,6 +43,7 @@ import numpy as np
 from asynclane_jax import checkpoint
 from asynclane_jax.checkpoint import signals_held
 from asynclane_jax.models.config import ModelConfig, from_hf_config
+from asynclane_jax.models.model import stack_layer_params
 from checkpoints_convert import lora as lora_mod
 from checkpoints_convert import reader
 from checkpoints_convert.names import Assignment, ConvertError, path_str, plan
@@ -301,6 +302,7 @@ def check_tokenizer_files(folder: pathlib.Path) -> None:
 def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
             lora: str | None = None, force: bool = False, progress: bool = True,
             cache_dir: str | None = None, block_causal: bool = False,
+            scan_layers: bool = False,
             on_tensor: Callable[[str], None] | None = None) -> ConvertResult:
     """Converts a Hugging Face LLaDA / Dream snapshot into a converted folder.
 
@@ -312,6 +314,9 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
       lora: a PEFT LoRA adapter folder to merge into the weights.
       block_causal: mark the model as trained block-causal (a D2F student, whose
         adapter and config do not say so), so that `sampler="d2f"` caches its blocks.
+      scan_layers: write the stacked layer layout (`ModelConfig.scan_layers`: every
+        layer tensor stacked into one [L, ...] array, `layers.<name>`); default the
+        unrolled one (`layers.<i>.<name>`). `load` reads either into either.
       force: replace an existing converted folder at `dst`.
       progress: show a tqdm bar (bytes of tensors done / total) on stderr.
       cache_dir: Hugging Face cache to look hub ids up in (default: the usual one).
@@ -322,11 +327,12 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
     """
     with sigterm_as_interrupt():
         return _convert(src, dst, dtype=dtype, lora=lora, force=force, progress=progress,
-                        cache_dir=cache_dir, block_causal=block_causal, on_tensor=on_tensor)
+                        cache_dir=cache_dir, block_causal=block_causal,
+                        scan_layers=scan_layers, on_tensor=on_tensor)
 
 
 def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
-             on_tensor) -> ConvertResult:
+             scan_layers, on_tensor) -> ConvertResult:
     t0 = time.perf_counter()
     dst = reader.user_path(dst).absolute()
     src_path = reader.user_path(src)
@@ -387,7 +393,12 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
             "tensors": len(assignments), "source_dtype": snap.float_dtype(),
             "lora": adapter.summary() if adapter else None,
             "lora_config": adapter.config if adapter else None}}
-        cfg = cfg.replace(block_causal=block_causal)
+        cfg = cfg.replace(block_causal=block_causal, scan_layers=bool(scan_layers))
+        if scan_layers:  # one stacked array per layer tensor; their digests as stored
+            params = stack_layer_params(params, cfg.n_layers)
+            digests = {k: v for k, v in digests.items() if not k.startswith("layers.")}
+            digests.update({k: checkpoint.digest_entry(v) for k, v in
+                            checkpoint.flat_arrays({"layers": params["layers"]}).items()})
         checkpoint.write_config(tmp, cfg, snap.hf_config, extra)
         checkpoint.write_digests(tmp, digests)
         with signals_held():  # orbax's writer threads must finish before tmp is removed

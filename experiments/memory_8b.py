@@ -8,6 +8,12 @@ asynclane_jax.sharding's "whole heads" rule. Results: experiments/results/memory
   python experiments/memory_8b.py heads --out heads.jsonl
       Dream-7B's width at 2 layers on v5e:2x4: heads whole / split on tensor=8, and a
       4-way tensor axis (data=2,tensor=4); collectives and per-chip memory;
+  python experiments/memory_8b.py layers --out layers.jsonl [--limit N]
+      the layer layouts side by side: each case of LAYOUT_CASES compiled unrolled (as
+      `rows`, no flag) and then with --scan-layers, interleaved, so both see the same
+      machine load; one JSON line each, as `rows`;
+  python experiments/memory_8b.py layers-table --rows layers.jsonl
+      the markdown table of the layout comparison (scanned / unrolled ratios);
   python experiments/memory_8b.py table --rows rows.jsonl --heads heads.jsonl
       markdown tables for the results page, and experiments/results/memory-8b.json.
 """
@@ -56,13 +62,33 @@ def _rows() -> list[dict]:
 ROWS = _rows()
 
 
+# The layout comparison (`layers`), most important first: each case compiled unrolled
+# and scanned, one after the other.
+LAYOUT_CASES = (
+    dict(topology="v5e:2x4", mesh="data=1,tensor=8", model="llada-8b-instruct",
+         sampler="asynclane", batch=8),
+    dict(topology="v5e:2x4", mesh="data=1,tensor=8", model="llada-8b-instruct",
+         sampler="fast-dllm", batch=8),
+    dict(topology="v6e:1x1", mesh="tensor", model="llada-8b-instruct",
+         sampler="asynclane", batch=1),
+    dict(topology="v6e:1x1", mesh="tensor", model="dream-7b-instruct",
+         sampler="asynclane", batch=1),
+    dict(topology="v5e:2x4", mesh="data=1,tensor=8", model="dream-7b-instruct",
+         sampler="asynclane", batch=8),
+    dict(topology="v5e:2x4", mesh="data=1,tensor=8", model="dream-7b-instruct",
+         sampler="fast-dllm", batch=8),
+)
+
+
 def command(row: dict, gen_length: int = 512, prompt: int = 128) -> list[str]:
     cmd = ["asynclane-jax", "aot", "--preset", row["model"], "--sampler", row["sampler"]]
     for opt in SAMPLERS[row["sampler"]]:
         cmd += ["--option", opt]
     cmd += ["--gen-length", str(gen_length), "--batch", str(row["batch"]), "--prompt",
-            str(prompt), "--topology", row["topology"], "--mesh", row["mesh"], "--json"]
-    return cmd
+            str(prompt), "--topology", row["topology"], "--mesh", row["mesh"]]
+    if row.get("scan"):
+        cmd += ["--scan-layers"]
+    return cmd + ["--json"]
 
 
 def _done(path: pathlib.Path) -> dict[str, dict]:
@@ -126,6 +152,51 @@ def cmd_rows(args) -> None:
             break
         _run(cmd, out, args.max_rss_gib)
         n += 1
+
+
+def cmd_layers(args) -> None:
+    out = pathlib.Path(args.out)
+    done = _done(out)
+    n = 0
+    for case in LAYOUT_CASES:
+        for scan in (False, True):
+            cmd = command(dict(case, scan=scan))
+            if shlex.join(cmd) in done:
+                continue
+            if args.limit is not None and n >= args.limit:
+                return
+            _run(cmd, out, args.max_rss_gib)
+            n += 1
+
+
+def cmd_layers_table(args) -> None:
+    recs = _done(pathlib.Path(args.rows))
+    print("| topology, mesh | model | sampler | batch | layers | arguments | temporaries | "
+          "code | peak | compile s | collectives | command |")
+    print("|---|---|---|--:|---|--:|--:|--:|--:|--:|---|---|")
+    ratios = []
+    for case in LAYOUT_CASES:
+        pair = [recs.get(shlex.join(command(dict(case, scan=s)))) for s in (False, True)]
+        for scan, r in zip(("unrolled", "scanned"), pair, strict=True):
+            if r is None:
+                continue
+            opts = " ".join(f"{k}={v}" for k, v in r["options"].items())
+            print(f"| {r['topology']}, {r['mesh']} | {r['model']} | {r['sampler']}"
+                  f"{' ' + opts if opts else ''} | {r['batch']} | {scan} | "
+                  f"{_gib(r['argument_bytes'])} | {_gib(r['temp_bytes'])} | "
+                  f"{_gib(r['code_bytes'])} | {_gib(r['peak_bytes'])} | {r['compile_s']:.0f} "
+                  f"| {_coll(r['collectives'])} | `{r['command']}` |")
+        if all(pair):
+            u, s = pair
+            q = lambda k: "–" if not u[k] or s[k] is None else f"{s[k] / u[k]:.2f}"
+            ratios.append(f"| {case['topology']} | {case['model']} | {case['sampler']} | "
+                          f"{case['batch']} | {q('compile_s')} | {q('code_bytes')} | "
+                          f"{q('temp_bytes')} | {q('peak_bytes')} |")
+    if ratios:
+        print("\nScanned / unrolled, same run:\n")
+        print("| topology | model | sampler | batch | compile | code | temporaries | peak |")
+        print("|---|---|---|--:|--:|--:|--:|--:|")
+        print("\n".join(ratios))
 
 
 # --------------------------------------------------------------------------- heads
@@ -241,6 +312,14 @@ def main():
     p.add_argument("--max-rss-gib", type=float, default=None,
                    help="stop a compile whose process grows past this much host memory")
     p.set_defaults(func=cmd_rows)
+    p = sub.add_parser("layers")
+    p.add_argument("--out", required=True)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-rss-gib", type=float, default=None)
+    p.set_defaults(func=cmd_layers)
+    p = sub.add_parser("layers-table")
+    p.add_argument("--rows", required=True)
+    p.set_defaults(func=cmd_layers_table)
     p = sub.add_parser("heads")
     p.add_argument("--out", required=True)
     p.add_argument("--sampler", action="append", default=None)

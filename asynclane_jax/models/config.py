@@ -28,7 +28,7 @@ SIZE_LIMITS = {
 MAX_PARAMS = 10**12  # parameters (a 1T-parameter dense model is 2 TB in bfloat16)
 INT_FIELDS = tuple(SIZE_LIMITS)
 TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
-BOOL_FIELDS = ("qkv_bias", "tie_embeddings", "logit_shift", "block_causal")
+BOOL_FIELDS = ("qkv_bias", "tie_embeddings", "logit_shift", "block_causal", "scan_layers")
 
 
 def show(value, limit: int = 60) -> str:
@@ -140,6 +140,12 @@ class ModelConfig:
         bidirectional and each generated block sees the prompt, earlier blocks and
         itself, so a finished block's K/V never change. The model's forward attends
         as it is told (`block_ids`); this says what the weights were trained for.
+      scan_layers: the parameter layout and the layer loop. False: one Block per layer
+        (parameters `layers.<i>.<name>`), unrolled in every compiled call. True: one
+        Block whose parameters are the layers' stacked along a leading [L] axis
+        (`layers.<name>`), run by a scan, so a compiled call holds one layer body. A
+        converted folder stores the layout its config names; `checkpoint.load(...,
+        scan_layers=)` reads either into either.
     """
 
     family: str
@@ -163,6 +169,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     block_causal: bool = False
+    scan_layers: bool = False
 
     def __post_init__(self):
         problems = config_problems(dataclasses.asdict(self))

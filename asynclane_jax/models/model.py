@@ -17,9 +17,11 @@ import warnings
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from asynclane_jax import sharding
+from asynclane_jax.models import quantize
 from asynclane_jax.models.config import ModelConfig
 
 
@@ -32,7 +34,12 @@ def _param(value, axes) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of a torch weight)."""
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of a torch weight).
+
+    After `quantize_int8` (asynclane_jax.models.quantize) the kernel holds int8 values
+    and `scale` their per-output-channel scales [1, out] (float32): kernel ~ values *
+    scale, multiplied through qwix; `scale` is None in a full-precision layer.
+    """
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, cfg: ModelConfig,
                  rngs: nnx.Rngs):
@@ -40,10 +47,30 @@ class Linear(nnx.Module):
                                                       cfg.jnp_param_dtype), axes)
         self.bias = (_param(jnp.zeros((d_out,), cfg.jnp_param_dtype), (axes[1],))
                      if bias else None)
+        self.scale = None
         self.dtype = cfg.jnp_dtype
 
+    def quantize_int8(self) -> None:
+        """Replaces the kernel [..., in, out] by int8 values and adds `scale`
+        [..., 1, out] (one per output channel; a stacked kernel's leading axes keep
+        theirs), named as the kernel with the contracted dimension unnamed."""
+        if self.scale is not None:
+            return
+        values, scale = quantize.int8_weights(self.kernel[...])
+        meta = self.kernel.get_metadata()
+        names = meta.get("out_sharding")
+        self.kernel = self.kernel.replace(values)
+        if names is not None:
+            names = tuple(names)
+            names = names[:-2] + (None,) + names[-1:]
+        self.scale = nnx.data(nnx.Param(scale, **{**meta, "out_sharding": names}))
+
     def __call__(self, x):
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.scale is not None:
+            y = quantize.int8_matmul(x, self.kernel[...], self.scale[...], self.dtype)
+        else:
+            y = jnp.einsum("...i,io->...o", x.astype(self.dtype),
+                           self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -257,6 +284,111 @@ class Block(nnx.Module):
         return self(x, q, k, v, **attention_kw), cache
 
 
+# ------------------------------------------------------------------ layer layouts
+# "unrolled": one Block per layer, parameters layers.<i>.<name> [...];
+# "stacked": one Block, parameters layers.<name> [L, ...] (`ModelConfig.scan_layers`).
+LAYER_AXIS = "layers"  # the logical name of the stacked axis (never sharded)
+
+
+def stack_blocks(blocks) -> Block:
+    """One Block whose every variable is the given blocks' stacked along a new leading
+    axis, its logical axis names led by LAYER_AXIS."""
+    graphdef, _ = nnx.split(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+    block = nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for _, v in nnx.iter_graph(block):
+        if isinstance(v, nnx.Variable) and v.has_metadata("out_sharding"):
+            names = v.get_metadata("out_sharding")
+            if names is not None:
+                v.set_metadata("out_sharding", (LAYER_AXIS, *tuple(names)))
+    return block
+
+
+def layer_layout(params: dict) -> str:
+    """"unrolled" or "stacked": the layout of a nested parameter dict (int or string
+    layer keys), read from its `layers` entry."""
+    layers = params.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError("the parameters have no layers")
+    keys = [str(k) for k in layers]
+    if all(k.isdigit() for k in keys):
+        return "unrolled"
+    if any(k.isdigit() for k in keys):
+        raise ValueError(f"the layers mix numbered and named entries: {sorted(keys)[:6]}")
+    return "stacked"
+
+
+def _stack(xs):
+    return np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
+
+
+def stack_layer_params(params: dict, n_layers: int) -> dict:
+    """An unrolled parameter dict (pure dict: `layers` -> {0: {...}, 1: ...}, int or
+    string keys) in the stacked layout (`layers` -> {...} with [L, ...] arrays); exact.
+    Consumes the input's `layers` entry (emptied as it goes): each layer array is
+    dropped as soon as it is stacked, so the two layouts' copies of the layers never
+    coexist beyond one stacked array."""
+    if layer_layout(params) == "stacked":
+        return params
+    layers = params["layers"]
+    keys = sorted(layers, key=lambda k: int(k))
+    if [int(k) for k in keys] != list(range(n_layers)):
+        raise ValueError(f"the parameters have layers {[int(k) for k in keys][:8]}, "
+                         f"expected 0..{n_layers - 1}")
+    flat = [_flatten(layers.pop(k)) for k in keys]
+    names = list(flat[0])
+    for i, f in enumerate(flat):
+        if list(f) != names:
+            raise ValueError(f"layer {keys[i]} has other parameters than layer {keys[0]}")
+    out: dict = {}
+    for name in names:
+        _put(out, name, _stack([f.pop(name) for f in flat]))
+    del flat
+    layers.clear()
+    params = dict(params)
+    params["layers"] = out
+    return params
+
+
+def unstack_layer_params(params: dict, n_layers: int, *, str_keys: bool = False) -> dict:
+    """A stacked parameter dict in the unrolled layout (layer keys ints, or strings
+    with str_keys); exact. Consumes the input's `layers` entry: each stacked array is
+    dropped as soon as it is split."""
+    if layer_layout(params) == "unrolled":
+        return params
+    flat = _flatten(params["layers"])
+    params["layers"].clear()
+    for name, a in flat.items():
+        if a.shape[:1] != (n_layers,):
+            raise ValueError(f"layers.{'.'.join(map(str, name))}: shape {tuple(a.shape)}, "
+                             f"expected a leading axis of {n_layers} layers")
+    out: dict = {(str(i) if str_keys else i): {} for i in range(n_layers)}
+    for name in list(flat):
+        a = flat.pop(name)
+        for i in range(n_layers):
+            _put(out[str(i) if str_keys else i], name, a[i])
+        del a
+    params = dict(params)
+    params["layers"] = out
+    return params
+
+
+def _flatten(tree: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _put(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
 @struct.dataclass
 class KVCache:
     """Keys (after RoPE) and values of every canvas position, per layer."""
@@ -312,11 +444,38 @@ class DiffusionLM(nnx.Module):
         self.cfg = cfg
         self.embed = _param(0.02 * jax.random.normal(
             rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.jnp_param_dtype), ("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+        # The same random blocks in either layout: a stacked model is the unrolled one's
+        # parameters stacked, for one seed.
+        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
                         Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), bias=False,
                                cfg=cfg, rngs=rngs))
+
+    def _scan(self, x, positions, cache, rows, write_index, key_len, kw):
+        """The stacked layers as one `jax.lax.scan`: carry (x, cache), scanned over the
+        Block's [L, ...] parameters and the layer index (which writes and reads that
+        layer of the carried cache in place).
+
+        lax.scan over the split Block, not `nnx.scan`: the decode merges the model
+        inside its jit and calls it inside lax.cond / while_loop branches, and
+        nnx.scan refuses a module whose variables belong to an outer trace ("Cannot
+        extract graph node from different trace level"). The split state is plain
+        arrays, which any trace may scan.
+        """
+        block_def, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, cache = carry
+            state, index = xs
+            layer = nnx.merge(block_def, state)
+            x, cache = layer.step(index, x, positions, cache, rows, write_index, key_len,
+                                  **kw)
+            return (sharding.constrain(x, sharding.ACTIVATION), cache), None
+
+        index = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
+        return jax.lax.scan(body, (x, cache), (stacked, index))[0]
 
     def _logits(self, x):
         x = self.final_norm(x)
@@ -334,9 +493,11 @@ class DiffusionLM(nnx.Module):
         buffer; an index >= T is dropped), and the queries attend to all T cached
         positions. A full refresh is the cached call with every column queried.
 
-        The layer stack is a Python loop (unrolled in the compiled program), not a scan:
-        measured in experiments/layer_stack.py (results/layer_stack.md), see the
-        `LAYER_STACK_NOTE` there for the numbers this choice rests on.
+        The layer stack (`cfg.scan_layers`): False, a Python loop, unrolled in the
+        compiled program (one copy of every layer per call); True, one `jax.lax.scan`
+        over the stacked Block carrying (x, cache), with the layer index traced (one
+        layer body per call; see `_scan`). Same arithmetic in both; measured in experiments/layer_stack.py
+        and experiments/memory_8b.py (results/memory-8b.md).
 
         Args:
           tokens: [b, Q] token ids.
@@ -365,11 +526,15 @@ class DiffusionLM(nnx.Module):
         else:
             key_len = None
         rows = jnp.arange(tokens.shape[0])[:, None]
-        for i, layer in enumerate(self.layers):
-            x, cache = layer.step(i, x, positions, cache, rows, write_index, key_len,
-                                  key_mask=key_mask, q_block=q_block, k_block=k_block,
-                                  implementation=self.attention_implementation)
-            x = sharding.constrain(x, sharding.ACTIVATION)
+        kw = dict(key_mask=key_mask, q_block=q_block, k_block=k_block,
+                  implementation=self.attention_implementation)
+        if self.cfg.scan_layers:
+            x, cache = self._scan(x, positions, cache, rows, write_index, key_len, kw)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, cache = layer.step(i, x, positions, cache, rows, write_index, key_len,
+                                      **kw)
+                x = sharding.constrain(x, sharding.ACTIVATION)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         return self._logits(x).astype(jnp.float32), cache
@@ -446,4 +611,5 @@ def param_stats(cfg: ModelConfig) -> dict:
 
 
 __all__ = ["DiffusionLM", "KVCache", "init_model", "abstract_model", "param_stats", "rope",
-           "attention"]
+           "attention", "stack_blocks", "layer_layout", "stack_layer_params",
+           "unstack_layer_params"]
