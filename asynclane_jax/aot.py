@@ -348,6 +348,7 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
     from asynclane_jax.decoding import driver
     from asynclane_jax.decoding.api import batch_rows, make_schedule, prompt_bucket
     from asynclane_jax.decoding.schedule import SamplerError
+    from asynclane_jax.models import abstract_model
     from asynclane_jax.models import quantize as quantize_lib
 
     mode = quantize_lib.check_mode(quantize)
@@ -369,7 +370,7 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
         raise AotError(str(e)) from None
     rows = batch_rows(batch, plan=plan)
 
-    graphdef, params = nnx.split(quantize_lib.abstract_model(cfg, mode))
+    graphdef, params = nnx.split(quantize_lib.abstract_quantized(abstract_model(cfg), mode))
     operands = schedule.operands()
     key = jax.eval_shape(lambda: jax.random.key(0))
     shapes = (params, jax.ShapeDtypeStruct((rows, P + gen_length), jnp.int32),

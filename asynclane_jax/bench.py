@@ -246,7 +246,8 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 
 def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_length=None,
-              *, model_name: str | None = None, variants: list | None = None) -> list[dict]:
+              *, model_name: str | None = None, variants: list | None = None,
+              quantize: str | None = None) -> list[dict]:
     """Runs every sampler spec at every generation length on the first n held-out
     problems of the testbed, interleaved (see the module docstring).
 
@@ -288,7 +289,7 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
         if other is not None and other not in models:
             import asynclane_jax
 
-            models[other] = asynclane_jax.load(other)[0]
+            models[other] = asynclane_jax.load(other, quantize=quantize)[0]
             if models[other].cfg.vocab_size != cfg.vocab_size:
                 raise UsageError(f"{spec}: model {other} has another vocabulary than "
                                  f"{model_name}")
@@ -523,15 +524,17 @@ def _cmd_bench(args) -> int:
     if args.plot:
         _require_matplotlib("--plot")
     model_name = args.model
-    model, tokenizer, _ = asynclane_jax.load(model_name)
+    model, tokenizer, _ = asynclane_jax.load(model_name, quantize=args.quantize)
     meta = bench_meta(str(model_name), args.n, args.batch, specs, gen_lengths)
+    meta["quantize"] = args.quantize
 
     def on_length(rows):
         if args.json:
             write_json(args.json, meta, rows)
 
     rows = run_bench(model, tokenizer, specs, gen_lengths, args.n, args.batch,
-                     progress=not args.quiet, on_length=on_length, model_name=str(model_name))
+                     progress=not args.quiet, on_length=on_length, model_name=str(model_name),
+                     quantize=args.quantize)
     print_table(rows)
     if args.plot:
         plot_rows(rows, args.plot, meta)
@@ -557,6 +560,9 @@ def register(sub) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="tokens/s and accuracy against gen length (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from asynclane_jax.models.quantize import add_flag
+
+    add_flag(p)
     p.set_defaults(func=_cmd_bench)
 
 

@@ -453,7 +453,8 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     target = _target(cfg, abs_state, mesh)
     read_target, on_read = target, None
     if mode is not None:  # the float kernels are read, each quantized as it arrives
-        graphdef, abs_state = nnx.split(quantize_lib.abstract_model(cfg, mode))
+        graphdef, abs_state = nnx.split(
+            quantize_lib.abstract_quantized(nnx.merge(graphdef, abs_state), mode))
         template = nnx.to_pure_dict(abs_state)
         target = _target(cfg, abs_state, mesh)
         on_read = _quantize_kernel

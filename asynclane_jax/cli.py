@@ -42,11 +42,23 @@ def _cmd_info(args) -> int:
     cfg = preset(args.preset) if args.preset else read_config(args.model)[0]
     stats = param_stats(cfg)
     out = {"name": args.preset or str(args.model), **stats, "config": cfg.to_dict()}
+    if args.quantize != "none":
+        from flax import nnx
+
+        from asynclane_jax.models import abstract_model, quantize
+
+        cfg16 = cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
+        out[f"bytes_{args.quantize}"] = quantize.weight_bytes(nnx.state(
+            quantize.abstract_quantized(abstract_model(cfg16), args.quantize)))
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{out['name']}: {stats['params']:,} parameters in {stats['tensors']} tensors, "
-              f"{stats['bytes_bf16'] / 2**30:.2f} GiB in bfloat16")
+        line = (f"{out['name']}: {stats['params']:,} parameters in {stats['tensors']} tensors, "
+                f"{stats['bytes_bf16'] / 2**30:.2f} GiB in bfloat16")
+        if args.quantize != "none":
+            line += (f", {out['bytes_' + args.quantize] / 2**30:.2f} GiB with {args.quantize} "
+                     "linear layers (embedding and norms in bfloat16)")
+        print(line)
     return 0
 
 
@@ -66,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named config")
     p.add_argument("--model", help="a converted folder or shipped model name")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="also give the bytes with int8 linear layers")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("verify", help="check a converted folder's arrays against their digests",

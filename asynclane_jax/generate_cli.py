@@ -62,6 +62,9 @@ def _add_sampler_args(p) -> None:
                    help="decode sharded over this device mesh, e.g. data=2,tensor=4 or "
                         "tensor (every device on one axis); the model is loaded straight "
                         "into its shards (see asynclane_jax.sharding)")
+    from asynclane_jax.models.quantize import add_flag
+
+    add_flag(p)
     # Each option name is one flag whatever samplers have it; its text is read by the
     # chosen sampler's own field type (registry.convert_option), so two samplers may give
     # one name different types. The help lists each sampler's options in its own section.
@@ -135,7 +138,8 @@ def _cmd_generate(args) -> int:
         except ImportError:
             raise UsageError("--trace needs matplotlib: pip install 'asynclane-jax[plots]'") \
                 from None
-    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh)
+    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh,
+                                               quantize=args.quantize)
     if tokenizer is None:
         raise UsageError(f"model {args.model} has no tokenizer; use the Python API with "
                          "token ids")
@@ -188,9 +192,11 @@ def _cmd_eval(args) -> int:
                          f"problems; ask for at most {SPLIT_SIZES['heldout']}")
     gen_length = _gen_length(args, 256)
     sampler, opts = _sampler_and_options(args)
-    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh)
+    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh,
+                                               quantize=args.quantize)
     result = evaluate(model, tokenizer, sampler=sampler, gen_length=gen_length, n=args.n,
                       progress=not args.quiet, **opts)
+    result["quantize"] = args.quantize
     if args.json:
         print(json.dumps(result))
     else:

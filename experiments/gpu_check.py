@@ -5,19 +5,26 @@ downloaded), timed.
   2. one cached call of 32 queries against a K/V cache of those 1024 positions;
   3. one generation of 512 tokens with every sampler that applies to LLaDA (every
      registered one but Dream's own; Fast-dLLM and LocalLeap with the dual cache), from
-     a 64-token prompt: tokens/s, model calls.
+     a 64-token prompt: tokens/s, model calls;
+  4. the int8 variant: the same model's linear layers quantized in place to int8 with
+     per-channel scales (asynclane_jax.models.quantize, as `load(..., quantize="int8")`
+     gives them), then one more generation with --int8-sampler (AsyncLane): its
+     tokens/s, the weights' GiB, and how many of its tokens equal the bfloat16 run's.
 
 Each program is compiled first (compile seconds reported apart) and then timed; the
 forwards report the median of 3 runs. Generation tokens/s counts tokens before the
 first end-of-text (`stats.generated_tokens`, as every benchmark here does); a random
 model may write an end-of-text early, so the canvas rate (gen_length / decode seconds)
 is given too. A time budget (default 420 s) skips the samplers left when it runs out,
-so that the whole check ends within 8 minutes; they are listed as skipped.
+so that the whole check ends within 8 minutes; they are listed as skipped. The int8
+generation is kept --int8-reserve-s (60 s) of that budget: the bfloat16 samplers stop
+starting that much earlier.
 
 The last line printed is one JSON object with everything measured.
 
 Usage: experiments/gpu_check.sh [--preset llada-8b-instruct] [--length 1024]
-       [--gen-length 512] [--samplers a,b] [--budget-s 420]
+       [--gen-length 512] [--samplers a,b] [--budget-s 420] [--int8-sampler asynclane]
+       [--int8-reserve-s 60] [--no-int8]
   CPU smoke run: experiments/gpu_check.sh --preset tiny-llada-test --length 64 --gen-length 64
 """
 
@@ -123,7 +130,7 @@ def sampler_options(name: str, cfg) -> dict:
 
 
 def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
-                      deadline: float) -> tuple[dict, list[str]]:
+                      deadline: float, keep_tokens: bool = False) -> tuple[dict, list[str]]:
     from asynclane_jax.decoding import generate
 
     rng = np.random.default_rng(1)
@@ -153,7 +160,44 @@ def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
             "calls_per_token": round(st.nfe / max(1, n), 3), "steps": st.steps,
             "wall_s": round(time.perf_counter() - t0, 1)}
         log(f"{name}: {json.dumps(rows[name])}")
+        if keep_tokens:  # for the int8 comparison; dropped before the report
+            rows[name]["tokens"] = res.tokens[0].tolist()
     return rows, skipped
+
+
+def int8_check(model, cfg, sampler: str, gen_length: int, prompt_len: int,
+               bf16_tokens) -> dict:
+    """Quantizes the model's linear layers in place (int8, per-channel scales) and runs
+    one generation with `sampler`; its tokens are compared with the bfloat16 run's."""
+    from asynclane_jax.decoding import generate
+    from asynclane_jax.models import quantize
+
+    t0 = time.perf_counter()
+    quantize.quantize_model(model)
+    jax.block_until_ready(nnx.state(model))
+    out = {"sampler": sampler, "quantize_s": round(time.perf_counter() - t0, 1),
+           "params_gib": round(quantize.weight_bytes(nnx.state(model)) / 2**30, 2)}
+    rng = np.random.default_rng(1)  # the prompt generation_checks uses
+    prompt = rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
+    opts = sampler_options(sampler, cfg)
+    t0 = time.perf_counter()
+    try:
+        res = generate(model, [prompt], sampler=sampler, gen_length=gen_length, **opts)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+        return out
+    st = res.stats
+    n = int(st.generated_tokens[0])
+    out.update({
+        "options": opts, "gen_length": gen_length, "generated_tokens": n,
+        "decode_s": round(st.decode_time, 3), "compile_s": round(st.compile_time, 1),
+        "tokens_per_s": round(n / st.decode_time, 1) if st.decode_time else None,
+        "canvas_tokens_per_s": round(gen_length / st.decode_time, 1),
+        "model_calls": st.nfe, "wall_s": round(time.perf_counter() - t0, 1)})
+    if bf16_tokens is not None:
+        out["token_agreement_with_bf16"] = round(
+            float(np.mean(np.asarray(bf16_tokens) == res.tokens[0])), 4)
+    return out
 
 
 def main(argv=None) -> int:
@@ -169,6 +213,11 @@ def main(argv=None) -> int:
                                                      "apply to the preset's family)")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="no new sampler starts after this many seconds")
+    ap.add_argument("--int8-sampler", default="asynclane",
+                    help="the sampler of the int8 generation (default asynclane)")
+    ap.add_argument("--int8-reserve-s", type=float, default=60.0,
+                    help="seconds of the budget kept for the int8 generation")
+    ap.add_argument("--no-int8", action="store_true", help="skip the int8 variant")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -189,9 +238,18 @@ def main(argv=None) -> int:
         samplers = [s.strip() for s in args.samplers.split(",") if s.strip()]
     else:
         samplers = [s for s in registered() if FAMILY_ONLY.get(s, cfg.family) == cfg.family]
+    reserve = 0.0 if args.no_int8 else args.int8_reserve_s
     report["generation"], report["skipped"] = generation_checks(
         model, cfg, samplers, args.gen_length, args.prompt_length,
-        deadline=t_start + args.budget_s)
+        deadline=t_start + args.budget_s - reserve, keep_tokens=True)
+    if not args.no_int8:
+        bf16 = report["generation"].get(args.int8_sampler, {}).pop("tokens", None)
+        log(f"int8: quantizing the linear layers, then {args.int8_sampler}")
+        report["int8"] = int8_check(model, cfg, args.int8_sampler, args.gen_length,
+                                    args.prompt_length, bf16)
+        log(f"int8: {json.dumps(report['int8'])}")
+    for row in report["generation"].values():
+        row.pop("tokens", None)
     report["total_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report), flush=True)
     return 0

@@ -291,8 +291,18 @@ def run(args) -> int:
 
     kwargs = {k: v for k, v in (("batch_size", args.batch_size),
                                 ("mc_samples", args.mc_samples)) if v is not None}
-    lm = AsyncLaneLM(model=args.model or DEFAULT_MODEL, sampler=sampler, gen_length=gen_length,
+    name = args.model or DEFAULT_MODEL
+    model, tokenizer = name, None
+    if args.quantize != "none":  # loaded here, quantized as it is read
+        import asynclane_jax
+
+        model, tokenizer, _ = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize)
+        if tokenizer is None:
+            raise UsageError(f"model {name} has no tokenizer; lm-eval needs one")
+    lm = AsyncLaneLM(model=model, tokenizer=tokenizer, sampler=sampler, gen_length=gen_length,
                      seed=args.seed, mesh=args.mesh, progress=not args.quiet, **kwargs, **opts)
+    if args.quantize != "none":
+        lm.model_name = f"{name} ({args.quantize})"
     results = evaluate_lm(lm, task_names, data_paths=data_paths, limit=args.limit,
                           num_fewshot=args.num_fewshot, chat=args.chat,
                           log_samples=args.log_samples, include_paths=args.include_path,

@@ -1,0 +1,163 @@
+"""Weight-only int8 quantization of the model's linear layers, through Qwix.
+
+`quantize_model(model)` turns every `Linear` of a DiffusionLM (attention q/k/v/o, the
+MLP's gate/up/down, an untied output head) into int8 weights with one scale per output
+channel: kernel [.., in, out] becomes an int8 array of the same shape and `scale`
+[.., 1, out] (float32), kernel ~ int8 * scale, symmetric, absmax-calibrated
+(`qwix.quantize` with every axis but the contracted one channelwise). The layer then
+multiplies through `qwix.einsum` with a `qwix.QArray` (int8 values, the scale in the
+compute dtype), which dequantizes into the matmul. Activations, the embedding table,
+the norms, the biases and the K/V cache stay in the compute dtype.
+
+The int8 arrays are ordinary `nnx.Param`s, so the quantized model splits, merges,
+jits, shards by logical axis names (a scale has its kernel's names, the contracted
+dimension unnamed) and exists abstractly (`abstract_quantized(abstract_model(cfg))`)
+like the float one; they are the compiled decode's arguments, which is what halves
+their bytes. The qwix int8 grid is [-128, 127] with scale = absmax / 127.5.
+`asynclane_jax.checkpoint.load(..., quantize="int8")` quantizes each kernel as it is
+read, so a whole float copy of the weights never sits on a device.
+
+Why not Qwix's own NNX entry point (`qwix.quantize_model` with a `PtqProvider`): it
+quantizes by running one method of the model once while patching `jnp.einsum` and
+friends in place, and keeps the result as `WithAux` nodes that only that one
+intercepted method understands. Here the model is driven through `forward`,
+`__call__` and `forward_cached`, always after `nnx.split`/`nnx.merge` inside `jax.jit`,
+and a merged PTQ model fails in `Linear` (`WithAux.astype` on a merged QArray raises
+"Unsupported type QArray", tried with qwix 0.1.8); it also cannot quantize one array at
+a time while a checkpoint is read. Qwix's array-level pieces (`quantize`, `QArray`,
+`einsum`) do exactly the numerics and are used as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from asynclane_jax.models.config import ConfigError, show
+
+# What `quantize=` accepts: None (or "none") for full precision, or one of these.
+MODES = ("int8",)
+CHOICES = ("none", *MODES)  # the command lines' --quantize values
+
+
+class QuantizeError(ConfigError):
+    """A quantization mode that does not exist."""
+
+
+def check_mode(mode) -> str | None:
+    """The mode a `quantize=` argument names: None for full precision ("none" or
+    None), else one of MODES.
+
+    Raises:
+      QuantizeError naming the accepted values.
+    """
+    if mode is None or (isinstance(mode, str) and mode.strip().lower() == "none"):
+        return None
+    if isinstance(mode, str) and mode.strip().lower() in MODES:
+        return mode.strip().lower()
+    raise QuantizeError(f"quantize={show(mode)}: expected one of {', '.join(CHOICES)}")
+
+
+def int8_weights(kernel):
+    """(int8 values, float32 scales) of a kernel [..., in, out]: one scale per output
+    channel (and per leading index of a stacked kernel), the contracted axis -2 reduced
+    (scale shape [..., 1, out]); symmetric absmax, as `qwix.quantize` computes it."""
+    import qwix
+
+    k = jnp.asarray(kernel)
+    axes = tuple(a for a in range(k.ndim) if a != k.ndim - 2)
+    q = qwix.quantize(k.astype(jnp.float32), jnp.int8, channelwise_axes=axes)
+    return q.qvalue, q.scale.astype(jnp.float32)
+
+
+_int8_weights_jit = jax.jit(int8_weights)
+
+
+def int8_matmul(x, values, scale, dtype):
+    """x [..., in] @ (values [in, out] int8 * scale [1, out]) in the compute dtype,
+    through qwix's einsum (dequantized into the matmul)."""
+    import qwix
+
+    w = qwix.QArray(values, scale.astype(dtype))
+    return qwix.einsum("...i,io->...o", x.astype(dtype), w)
+
+
+def quantize_model(model, mode: str | None = "int8"):
+    """Quantizes every Linear of a model in place (works on an abstract model inside
+    `nnx.eval_shape` too) and returns it; mode None leaves it as it is."""
+    mode = check_mode(mode)
+    if mode is None:
+        return model
+    for _, node in nnx.iter_graph(model):
+        if hasattr(node, "quantize_int8") and isinstance(node, nnx.Module):
+            node.quantize_int8()
+    return model
+
+
+def quantization_of(model) -> str | None:
+    """"int8" when the model's linear layers hold int8 weights, else None."""
+    for _, node in nnx.iter_graph(model):
+        if getattr(node, "scale", None) is not None and hasattr(node, "quantize_int8"):
+            return "int8"
+    return None
+
+
+def abstract_quantized(model, mode: str | None = "int8"):
+    """A model (abstract, e.g. `models.abstract_model(cfg)`, or concrete) with
+    jax.ShapeDtypeStruct leaves, quantized as mode says (int8 kernels and their scales):
+    what `aot` compiles against and what `load` fills. Nothing is allocated."""
+    mode = check_mode(mode)
+    return nnx.eval_shape(lambda m: quantize_model(m, mode), model)
+
+
+def quantized_paths(abs_state) -> set[tuple]:
+    """Paths (tuples of keys, as in `nnx.to_pure_dict`) of the int8 kernels of a
+    quantized model's state."""
+    pure = nnx.to_pure_dict(abs_state)
+    out = set()
+
+    def walk(tree, path):
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                walk(v, path + (k,))
+            elif k == "kernel" and "scale" in tree and jnp.dtype(v.dtype) == jnp.int8:
+                out.add(path + (k,))
+
+    walk(pure, ())
+    return out
+
+
+def quantize_array(array, value_sharding=None, scale_sharding=None):
+    """(int8 values, scales) of one float kernel array already on its device(s),
+    quantized there and placed on the given shardings (None: where jit puts them)."""
+    if value_sharding is None:
+        return _int8_weights_jit(array)
+    return _int8_weights_placed(value_sharding, scale_sharding)(array)
+
+
+@functools.lru_cache(maxsize=64)
+def _int8_weights_placed(value_sharding, scale_sharding):
+    return jax.jit(int8_weights, out_shardings=(value_sharding, scale_sharding))
+
+
+def add_flag(parser) -> None:
+    """Adds `--quantize {none,int8}` to a command's argument parser (argparse refuses
+    any other value with a one-line error naming the choices)."""
+    parser.add_argument("--quantize", choices=CHOICES, default="none",
+                        help="int8: load the linear layers' weights as int8 with one scale "
+                             "per output channel, quantized as they are read (about half "
+                             "the bytes of bfloat16); default none")
+
+
+def weight_bytes(state) -> int:
+    """Bytes of every parameter of a (possibly abstract) state, as stored."""
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(nnx.to_pure_dict(state))))
+
+
+__all__ = ["CHOICES", "MODES", "QuantizeError", "abstract_quantized", "add_flag", "check_mode",
+           "int8_matmul", "int8_weights", "quantization_of", "quantize_array",
+           "quantize_model", "quantized_paths", "weight_bytes"]

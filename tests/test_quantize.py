@@ -1,0 +1,140 @@
+"""int8 weight-only quantization (asynclane_jax.models.quantize, load(quantize="int8"),
+--quantize on the command lines)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import asynclane_jax
+from asynclane_jax import aot, cli, sharding
+from asynclane_jax.models import abstract_model, quantize, tiny_llada
+from asynclane_jax.models.model import DiffusionLM, init_model
+
+
+def _kernels(model) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
+    return {jax.tree_util.keystr(p): v for p, v in flat}
+
+
+def test_int8_weights_error_bounded_per_channel():
+    w = jax.random.normal(jax.random.key(0), (48, 24)) * jnp.linspace(0.01, 3.0, 24)
+    int8_weights = jax.jit(quantize.int8_weights)
+    values, scale = int8_weights(w)
+    assert values.dtype == jnp.int8 and scale.shape == (1, 24) and scale.dtype == jnp.float32
+    # qwix's symmetric int8: scale = absmax / 127.5, so each channel's largest weight
+    # lands on 127 or -127 / -128 (+127.5 rounds up and saturates at 127).
+    np.testing.assert_allclose(scale[0], jnp.abs(w).max(0) / 127.5, rtol=1e-6)
+    v = jnp.abs(values.astype(jnp.int32)).max(0)
+    assert bool(jnp.all((v == 127) | (v == 128)))
+    err = jnp.abs(values.astype(jnp.float32) * scale - w)
+    assert bool(jnp.all(err <= scale / 2 * (1 + 1e-5)))  # rounding: half a step at most
+    # A stacked kernel [L, in, out]: each layer as if quantized alone.
+    stacked = jnp.stack([w, 2 * w, w[::-1]])
+    sv, ss = int8_weights(stacked)
+    assert ss.shape == (3, 1, 24)
+    for i in range(3):
+        v1, s1 = int8_weights(stacked[i])
+        np.testing.assert_array_equal(sv[i], v1)
+        np.testing.assert_allclose(ss[i], s1, rtol=1e-7)
+
+
+def test_quantized_model_stores_int8_and_stays_close():
+    cfg = tiny_llada()
+    model = init_model(cfg, seed=1)
+    q = quantize.quantize_model(init_model(cfg, seed=1))
+    assert quantize.quantization_of(model) is None and quantize.quantization_of(q) == "int8"
+    arrays = _kernels(q)
+    kernels = {k: v for k, v in arrays.items() if k.endswith("['kernel']")}
+    assert len(kernels) == 7 * cfg.n_layers + (0 if cfg.tie_embeddings else 1)
+    assert all(v.dtype == jnp.int8 for v in kernels.values())
+    for k, v in kernels.items():
+        assert arrays[k.replace("['kernel']", "['scale']")].shape == (1, v.shape[1])
+    assert all(v.dtype != jnp.int8 for k, v in arrays.items() if not k.endswith("['kernel']"))
+    # The scale is named as its kernel, the contracted dimension unnamed.
+    names = q.layers[0].attn.q_proj.scale.get_metadata()["out_sharding"]
+    assert tuple(names) == (None, "heads")
+    # Through split / merge under jit, as the decode runs it.
+    tokens = jax.random.randint(jax.random.key(2), (2, 24), 2, cfg.vocab_size)
+    run = jax.jit(lambda graphdef, s, t: nnx.merge(graphdef, s)(t), static_argnums=0)
+    a = jax.nn.log_softmax(run(*nnx.split(model), tokens))
+    b = jax.nn.log_softmax(run(*nnx.split(q), tokens))
+    kl = float((jnp.exp(a) * (a - b)).sum(-1).mean())
+    assert 0 < kl < 1e-3, kl
+
+
+def test_abstract_model_and_shardings():
+    cfg = tiny_llada()
+    abstract = quantize.abstract_quantized(abstract_model(cfg))
+    state = nnx.state(abstract)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+    assert abstract.layers[0].mlp.down_proj.kernel.dtype == jnp.int8
+    full = quantize.weight_bytes(nnx.state(abstract_model(cfg)))
+    assert quantize.weight_bytes(state) < 0.5 * full
+    plan = sharding.plan_for(cfg, "tensor")
+    specs = plan.param_shardings(nnx.state(abstract, nnx.Param))
+    assert specs["layers"][0]["mlp"]["gate_proj"]["scale"].get_value().spec[0] is None
+
+
+def test_load_int8_as_quantized_after_load_and_tokens_agree():
+    model, tok, cfg = asynclane_jax.load("tiny-llada")
+    q, _, _ = asynclane_jax.load("tiny-llada", quantize="int8")
+    by_hand = quantize.quantize_model(nnx.clone(model))
+    a, b = _kernels(q), _kernels(by_hand)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+    from asynclane_jax.testbed import tasks
+    from asynclane_jax.testbed.evaluate import prompts_for
+
+    prompts = prompts_for(tasks.split("heldout", 8), tok)
+    kw = dict(sampler="vanilla", gen_length=32, steps=32, block_length=32)
+    full = asynclane_jax.generate(model, prompts, tokenizer=tok, **kw).tokens
+    int8 = asynclane_jax.generate(q, prompts, tokenizer=tok, **kw).tokens
+    assert float((full == int8).mean()) >= 0.9
+
+
+def test_bad_mode_refused():
+    with pytest.raises(quantize.QuantizeError, match="expected one of none, int8"):
+        asynclane_jax.load("tiny-llada", quantize="int4")
+    assert quantize.check_mode("none") is None and quantize.check_mode("INT8") == "int8"
+
+
+def test_cli_flag_refuses_bad_value(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "hi", "--quantize", "int4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--quantize" in err and "invalid choice: 'int4'" in err and "int8" in err
+
+
+def test_cli_info_int8_bytes(capsys):
+    assert cli.main(["info", "--preset", "llada-8b-instruct", "--quantize", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "14.93 GiB in bfloat16" in out and "7.95 GiB with int8" in out
+
+
+@pytest.mark.skipif(not aot.tpu_compiler_available(), reason="libtpu is not installed")
+def test_aot_int8_arguments_are_int8():
+    cfg = tiny_llada(vocab_size=256)
+    kw = dict(sampler="fast-dllm", gen_length=32, batch=1, prompt_len=32,
+              topology="v5e:1x1", dtype="bfloat16")
+    report = aot.compile_for_topology(cfg, quantize="int8", **kw)
+    assert report.quantize == "int8"
+    abstract = quantize.abstract_quantized(abstract_model(
+        cfg.replace(dtype="bfloat16", param_dtype="bfloat16")))
+    assert report.param_bytes == quantize.weight_bytes(nnx.state(abstract))
+    # The program's arguments are the int8 weights (plus the canvas and a few vectors).
+    assert report.param_bytes <= report.argument_bytes < report.param_bytes + 64 * 1024
+    arrays = _kernels(abstract)
+    linear = sum(x.size for p, x in arrays.items() if p.endswith("['kernel']"))
+    scales = sum(x.size for p, x in arrays.items()
+                 if p.endswith("['scale']") and p.replace("scale", "kernel") in arrays)
+    bf16 = quantize.weight_bytes(nnx.state(
+        nnx.eval_shape(lambda: DiffusionLM(cfg.replace(dtype="bfloat16",
+                                                       param_dtype="bfloat16"),
+                                           rngs=nnx.Rngs(0)))))
+    # One byte instead of two per linear weight, plus a float32 scale per output channel.
+    assert report.param_bytes == bf16 - linear + 4 * scales
