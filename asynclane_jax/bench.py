@@ -86,7 +86,8 @@ COMPARISON_LABELS = {"published": "(a) published", "early-stop": "(b) early stop
 
 ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "comparison",
             "accuracy", "tps", "nfe_per_token", "tokens_per_call", "steps", "wall_s",
-            "compile_s", *COMPARISONS.values())
+            "compile_s", *COMPARISONS.values(), "task_set", "accuracy_family",
+            "accuracy_length")
 
 
 def default_specs() -> list[str]:
@@ -194,11 +195,13 @@ class _Tally:
 
     def __init__(self):
         self.ok: list[bool] = []
+        self.groups: list[tuple[str, str]] = []  # (family, answer-length bucket) per row
         self.steps: list[int] = []
         self.gen_tokens = self.row_nfe = 0
         self.wall = self.compile = 0.0
 
-    def add(self, res, ok: list[bool]) -> None:
+    def add(self, res, ok: list[bool], groups: list[tuple[str, str]]) -> None:
+        self.groups.extend(groups)
         st = res.stats
         self.wall += st.decode_time
         self.gen_tokens += int(np.sum(st.generated_tokens))
@@ -216,7 +219,17 @@ class _Tally:
             "steps": float(np.mean(self.steps)) if self.steps else 0.0,
             "wall_s": wall,
             "compile_s": self.compile,
+            "accuracy_family": self._by(0),
+            "accuracy_length": self._by(1),
         }
+
+    def _by(self, which: int) -> dict:
+        """Accuracy per family (which 0) or per answer-length bucket (1), with counts."""
+        out: dict = {}
+        for ok, group in zip(self.ok, self.groups):
+            n, right = out.get(group[which], (0, 0))
+            out[group[which]] = (n + 1, right + ok)
+        return {k: {"n": n, "accuracy": right / n} for k, (n, right) in out.items()}
 
 
 def comparison_of(sampler: str, options: dict) -> str:
@@ -247,7 +260,7 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_length=None,
               *, model_name: str | None = None, variants: list | None = None,
-              quantize: str | None = None) -> list[dict]:
+              quantize: str | None = None, task_set: str = "v1") -> list[dict]:
     """Runs every sampler spec at every generation length on the first n held-out
     problems of the testbed, interleaved (see the module docstring).
 
@@ -262,6 +275,8 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
       model_name: the `model` field of the rows (default: the config's family).
       variants: an optional list that receives one dict per variant measured (spec,
         sampler, options, gen_length and the metrics of a row), chosen or not.
+      task_set: the testbed task set the problems come from (`tasks.TASK_SETS`); the rows
+        give accuracy per family and per answer-length bucket beside the overall figure.
     Returns:
       The rows, ROW_KEYS each, in (gen_length, spec) order.
     """
@@ -275,7 +290,11 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
     gen_lengths = list(gen_lengths)
     parsed = validate(list(specs), gen_lengths)
     cfg = model.cfg
-    problems = tasks.split("heldout", n)
+    try:
+        problems = tasks.split("heldout", n, task_set)
+    except ValueError as e:
+        raise UsageError(f"--tasks: {e}") from None
+    groups = [(p.family, tasks.length_bucket(tasks.answer_tokens(p))) for p in problems]
     prompts = evaluate.prompts_for(problems, tokenizer)
     bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
     too_long = [g for g in gen_lengths if bucket + g > cfg.max_seq_len]
@@ -325,7 +344,8 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
                     i = (c + k) % len(runs)
                     res = decode(i, chunk)
                     accs[i].add(res, [evaluate.check(problems[j], row)
-                                      for j, row in zip(chunk, res.tokens)])
+                                      for j, row in zip(chunk, res.tokens)],
+                                [groups[j] for j in chunk])
             measured = [{"spec": spec, "sampler": name, "options": opts, "gen_length": g,
                          **acc.metrics()}
                         for (spec, name, opts), acc in zip(runs, accs)]
@@ -339,7 +359,9 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
                        "comparison": comparison_of(spec, best["options"]),
                        **{k: best[k] for k in ("accuracy", "tps", "nfe_per_token",
                                                "tokens_per_call", "steps", "wall_s",
-                                               "compile_s")},
+                                               "compile_s", "accuracy_family",
+                                               "accuracy_length")},
+                       "task_set": task_set,
                        **dict.fromkeys(COMPARISONS.values())}
                 rows.append(row)
             add_speedups(rows)
@@ -527,6 +549,10 @@ def _cmd_bench(args) -> int:
     model, tokenizer, _ = asynclane_jax.load(model_name, quantize=args.quantize)
     meta = bench_meta(str(model_name), args.n, args.batch, specs, gen_lengths)
     meta["quantize"] = args.quantize
+    from asynclane_jax.testbed import tasks
+
+    task_set = args.tasks or tasks.model_task_set(model_name)
+    meta["task_set"] = task_set
 
     def on_length(rows):
         if args.json:
@@ -534,7 +560,7 @@ def _cmd_bench(args) -> int:
 
     rows = run_bench(model, tokenizer, specs, gen_lengths, args.n, args.batch,
                      progress=not args.quiet, on_length=on_length, model_name=str(model_name),
-                     quantize=args.quantize)
+                     quantize=args.quantize, task_set=task_set)
     print_table(rows)
     if args.plot:
         plot_rows(rows, args.plot, meta)
@@ -554,6 +580,9 @@ def register(sub) -> None:
     p.add_argument("--gen-lengths", type=_int_list, default=None,
                    help="comma-separated generation lengths (default 128,256,512)")
     p.add_argument("--n", type=int, default=50, help="held-out problems (default 50)")
+    p.add_argument("--tasks", default=None, choices=["v1", "v2"],
+                   help="testbed task set of the problems (default: the one the model "
+                        "was trained on, v1 when it records none)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help='write {"meta", "rows"} here (rewritten after each gen length)')

@@ -2,6 +2,7 @@
 
   python experiments/train_testbed.py --model tiny-llada --minutes 55
   python experiments/train_testbed.py --model tiny-dream --minutes 55
+  python experiments/train_testbed.py --model tiny-llada --task-set v2 --minutes 85
 
 Checkpoints (resumable: rerun the same command) go under runs/<name>/; the loss curve
 and the JSON log go to experiments/results/testbed_<name>.{png,json}; the final model is
@@ -23,6 +24,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["tiny-llada", "tiny-dream"], default="tiny-llada")
+    ap.add_argument("--task-set", choices=["v1", "v2"], default="v1",
+                    help="v1: math and code (the first models); v2: adds the long chain and "
+                         "list families, trained with length buckets (name <model>-v2)")
     ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead")
     ap.add_argument("--lr", type=float, default=None)
@@ -40,6 +44,9 @@ def main(argv=None):
                     help="share of batches with a 256/512-token response region "
                          "(default 0.08)")
     ap.add_argument("--eval-every", type=float, default=600.0, help="seconds between monitors")
+    ap.add_argument("--eval-n", type=int, default=None, help="problems per monitor (default 32)")
+    ap.add_argument("--eval-gen-length", type=int, default=None,
+                    help="monitor gen length (default 64; 512 for v2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None, help="default: runs/<model>")
     ap.add_argument("--export", default=None,
@@ -53,11 +60,16 @@ def main(argv=None):
     from asynclane_jax.testbed import tokenizer as tok
     from asynclane_jax.testbed import train
 
-    make = train.llada_config if args.model == "tiny-llada" else train.dream_config
+    family = "llada" if args.model == "tiny-llada" else "dream"
+    if args.task_set == "v2":
+        def make(**changes):
+            return train.v2_config(family, **changes)
+    else:
+        make = train.llada_config if family == "llada" else train.dream_config
     changes = {"minutes": args.minutes, "steps": args.steps, "eval_every_s": args.eval_every,
                "seed": args.seed}
     for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias", "t_max_start",
-                  "t_ramp"):
+                  "t_ramp", "eval_n", "eval_gen_length"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     tc = make(**changes)
@@ -70,15 +82,22 @@ def main(argv=None):
     if args.time_steps:
         trainer = train.Trainer(tc)
         print(f"{tc.name}: {trainer.n_params:,} parameters")
-        for region, rows, _ in tc.regions:
-            t = dataclasses.replace(tc, regions=((region, rows, 1.0),))
-            trainer.tc = t
+        shapes = tc.buckets or [(tc.prompt_length, r, rows, p) for r, rows, p in tc.regions]
+        for index, (p_len, region, rows, _) in enumerate(shapes):
+            if tc.buckets:
+                probs = [1.0 if i == index else 0.0 for i in range(len(shapes))]
+                trainer.buckets.buckets = tuple(b[:3] + (q,) for b, q in zip(shapes, probs))
+            else:
+                trainer.tc = dataclasses.replace(tc, regions=((region, rows, 1.0),))
             trainer.train_step()  # compile
             t0 = time.perf_counter()
             for _ in range(args.time_steps):
                 rec = trainer.train_step()
             dt = (time.perf_counter() - t0) / args.time_steps
-            print(f"region {region} x {rows} rows: {dt:.3f} s/step (loss {rec['loss']:.3f})")
+            print(f"prompt {p_len} + region {region} x {rows} rows: {dt:.3f} s/step "
+                  f"(loss {rec['loss']:.3f})", flush=True)
+        if tc.buckets:
+            trainer.buckets.buckets = tuple(tuple(b) for b in tc.buckets)
         trainer.tc = tc
         t0 = time.perf_counter()
         print(trainer.evaluate(), f"{time.perf_counter() - t0:.1f} s")

@@ -16,13 +16,13 @@ def _span(r) -> str:
     return f"{r[0]}" if r[0] == r[1] else f"{r[0]}–{r[1]}"
 
 
-def _examples(sample: list[tasks.Problem]) -> list[str]:
-    """The first problem of each family in `sample`, as prompt and response token lines."""
+def _examples(sample: list[tasks.Problem], families=tasks.FAMILIES) -> list[str]:
+    """The shortest problem of each family in `sample`, as prompt and response lines."""
     from asynclane_jax.testbed import tokenizer as tok
 
     out = []
-    for fam in tasks.FAMILIES:
-        p = next(q for q in sample if q.family == fam)
+    for fam in families:
+        p = min((q for q in sample if q.family == fam), key=tasks.answer_tokens)
         resp = p.response.replace("\n", "\\n")
         out += [f"{fam:<6} {tok.USER} {p.prompt} {tok.ASSISTANT}",
                 f"       {resp} {tok.EOS} ..."]
@@ -43,7 +43,87 @@ def _curriculum_flags(tc: dict) -> str:
              f" --t-ramp {tc.get('t_ramp', 0.0):g}")
     from asynclane_jax.testbed.train import long_frac
 
+    if tc.get("buckets"):
+        return flags + f" --task-set {tc.get('task_set', 'v1')}"
     return flags + f" --long-frac {long_frac(tc['regions']):g}"
+
+
+def _v1_task(sample) -> list[str]:
+    lines = (min(len(p.lines) for p in sample), max(len(p.lines) for p in sample))
+    lengths = (min(len(p.response.split(" ")) for p in sample),
+               max(len(p.response.split(" ")) for p in sample))
+    return [
+        "Two families, alternating in the held-out split (`asynclane_jax.testbed.tasks`); "
+        "every number 0..99, word, label and newline is one token:", "",
+        "```", *_examples(sample), "```", "",
+        f"Math problems have {_span(tasks.MATH_STEPS)} events, programs "
+        f"{_span(tasks.CODE_STEPS)} statements; values stay in "
+        f"0..{tasks.MAX_VALUE}, operands 1..{tasks.MAX_OPERAND}; all prompts of a family "
+        "have one length, so the statement a working line reads sits at a fixed "
+        "distance from it. Responses are "
+        f"{_span(lines)} newline-separated lines ({_span(lengths)} tokens); the rest of "
+        "the canvas is end-of-text. "
+        "An answer is correct when the last line before end-of-text is exactly "
+        "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
+        f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts.", ""]
+
+
+def split_section(task_set: str, n: int = 1000) -> list[str]:
+    """The held-out split's family and answer-length statistics (computed, not typed):
+    a table per family, the bucket counts and a text histogram."""
+    stats = tasks.split_stats(tasks.heldout(n, task_set))
+    out = [f"Held-out split, first {n} problems (`tasks.split_stats`): "
+           f"{100 * stats['frac_over_128']:.1f}% of answers are longer than 128 tokens and "
+           f"{100 * stats['frac_over_256']:.1f}% longer than 256; the longest prompt has "
+           f"{stats['max_prompt_tokens']} tokens.", "",
+           "| family | problems | answer tokens (min / mean / max) | working lines (mean) |",
+           "|---|--:|---|--:|"]
+    for fam, f in stats["families"].items():
+        out.append(f"| {fam} | {f['n']} | {f['min_tokens']} / {f['mean_tokens']} / "
+                   f"{f['max_tokens']} | {f['mean_lines']:.1f} |")
+    out += ["", "| answer tokens | " + " | ".join(stats["buckets"]) + " |",
+            "|---|" + "--:|" * len(stats["buckets"]),
+            "| problems | " + " | ".join(str(v) for v in stats["buckets"].values()) + " |",
+            "", "Answer-length histogram (tokens, one # per 10 problems):", "", "```"]
+    w = stats["histogram"]["bin_width"]
+    for b, c in enumerate(stats["histogram"]["counts"]):
+        out.append(f"{b * w + 1:>4}-{(b + 1) * w:<4} {c:>4} " + "#" * round(c / 10))
+    return out + ["```", ""]
+
+
+def _v2_task(sample) -> list[str]:
+    return [
+        "The task set v2 (`asynclane_jax.testbed.tasks`): the two short families of the "
+        "first models (math, code) and two long ones of one surface form, chain (every "
+        "working line reads the previous line's result) and list (every line reads only "
+        f"its own statement in the prompt), {_span(tasks.LONG_STEPS)} working lines each. "
+        "The families alternate in the held-out split; every number 0..99, word, label "
+        "and newline is one token. The shortest problem of each family in a training "
+        "sample:", "",
+        "```", *_examples(sample, tasks.families_of("v2")), "```", "",
+        "In chain and list each line opens with a connective (then / next / also) and "
+        "restates its result after a consequence word (so / thus / hence), each drawn "
+        "uniformly: free-choice positions, graded right whichever member is written. "
+        "chain and list are correct when every line is right (free choices aside) and "
+        "nothing is added; math and code when the last line before end-of-text is "
+        "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
+        f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts.", "",
+        *split_section("v2")]
+
+
+def _label(e: dict) -> str:
+    opts = ", ".join(f"{k}={v}" for k, v in (e.get("options") or {}).items())
+    return e["sampler"] + (f" ({opts})" if opts else "")
+
+
+def _shapes(tc: dict) -> str:
+    if tc.get("buckets"):
+        return ("Length buckets (prompt tokens + response region × rows, probability of "
+                "a step): " + ", ".join(f"{b[0]}+{b[1]}×{b[2]} ({b[3]})" for b in tc["buckets"])
+                + "; a problem goes to the smallest bucket it fits, prompts left-padded.")
+    return ("Batch shapes (response region, rows, probability): "
+            + ", ".join(f"{r[0]}×{r[1]} ({r[2]})" for r in tc["regions"])
+            + f"; prompts left-padded to {tc['prompt_length']}.")
 
 
 def render(name: str, config: dict, log: dict, evals: list[dict],
@@ -62,10 +142,9 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
     """
     m = config["model"]
     tc = log["config"]
-    sample = tasks.split("train", 200)
-    lines = (min(len(p.lines) for p in sample), max(len(p.lines) for p in sample))
-    lengths = (min(len(p.response.split(" ")) for p in sample),
-               max(len(p.response.split(" ")) for p in sample))
+    task_set = tc.get("task_set", "v1")
+    families = tasks.families_of(task_set)
+    sample = tasks.split("train", 200, task_set)
     minutes = log["elapsed_s"] / 60
     bias = "q/k/v biases" if m["qkv_bias"] else "no biases"
     family = (f"LLaDA-style: multi-head attention, {bias}, same-position logits"
@@ -79,19 +158,7 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            "through the same loading path as a converted 8B checkpoint: "
            f"`asynclane_jax.load(\"{name}\")`.", "",
            "## Task", "",
-           "Two families, alternating in the held-out split (`asynclane_jax.testbed.tasks`); "
-           "every number 0..99, word, label and newline is one token:", "",
-           "```", *_examples(sample), "```", "",
-           f"Math problems have {_span(tasks.MATH_STEPS)} events, programs "
-           f"{_span(tasks.CODE_STEPS)} statements; values stay in "
-           f"0..{tasks.MAX_VALUE}, operands 1..{tasks.MAX_OPERAND}; all prompts of a family "
-           "have one length, so the statement a working line reads sits at a fixed "
-           "distance from it. Responses are "
-           f"{_span(lines)} newline-separated lines ({_span(lengths)} tokens); the rest of "
-           "the canvas is end-of-text. "
-           "An answer is correct when the last line before end-of-text is exactly "
-           "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
-           f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts.", "",
+           *(_v1_task(sample) if task_set == "v1" else _v2_task(sample)),
            "## Model", "",
            "| field | value |", "|---|---|",
            f"| parameters | {log['params']:,} (float32) |",
@@ -108,9 +175,8 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            "region padded with end-of-text to its end), AdamW "
            f"(lr {tc['lr']}, warmup {tc['warmup_steps']} steps, cosine over the wall-clock "
            f"budget to {tc['min_lr_ratio']}×, b2 {tc['b2']}, weight decay "
-           f"{tc['weight_decay']}, clip {tc['clip_norm']}). Batch shapes (response region, "
-           "rows, probability): " + ", ".join(f"{r[0]}×{r[1]} ({r[2]})" for r in tc["regions"])
-           + f"; prompts left-padded to {tc['prompt_length']}." + _curriculum(tc), "",
+           f"{tc['weight_decay']}, clip {tc['clip_norm']}). " + _shapes(tc)
+           + _curriculum(tc), "",
            f"Steps: {log['step']:,}; training time: {minutes:.1f} min of training steps "
            f"(monitoring excluded) on {hardware}. "
            "Command: `python experiments/train_testbed.py --model "
@@ -120,22 +186,33 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            + _curriculum_flags(tc) + "`. Loss curve: "
            f"`experiments/results/testbed_{name}.png`.", "",
            "## Held-out accuracy", "",
-           "| sampler | gen length | problems | exact answer | math | code | lines exact | "
-           "model calls / token | tokens/s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| sampler | gen length | problems | exact answer | " + " | ".join(families)
+           + " | lines exact | model calls / token | tokens/s |",
+           "|---|---|---|---|" + "---|" * len(families) + "---|---|---|"]
     for e in evals:
-        opts = ", ".join(f"{k}={v}" for k, v in (e.get("options") or {}).items())
-        label = e["sampler"] + (f" ({opts})" if opts else "")
         out.append(
-            f"| {label} | {e['gen_length']} | {e['n']} | {_pct(e['accuracy'])} | "
-            f"{_pct(e.get('accuracy_math'))} | {_pct(e.get('accuracy_code'))} | "
-            f"{_pct(e.get('line_accuracy'))} | {e['nfe_per_token']:.2f} | {e['tps']:.0f} |")
+            f"| {_label(e)} | {e['gen_length']} | {e['n']} | {_pct(e['accuracy'])} | "
+            + " | ".join(_pct(e.get(f"accuracy_{f}")) for f in families)
+            + f" | {_pct(e.get('line_accuracy'))} | {e['nfe_per_token']:.2f} | "
+            f"{e['tps']:.0f} |")
+    by_length = [e for e in evals if e.get("accuracy_length")]
+    if by_length:
+        names = [b[0] for b in tasks.LENGTH_BUCKETS]
+        out += ["", "By answer length (response tokens of the reference; problems in "
+                "brackets):", "",
+                "| sampler | gen length | " + " | ".join(names) + " |",
+                "|---|---|" + "---|" * len(names)]
+        for e in by_length:
+            cells = [e["accuracy_length"].get(b) for b in names]
+            out.append(f"| {_label(e)} | {e['gen_length']} | " + " | ".join(
+                "—" if c is None else f"{_pct(c['accuracy'])} ({c['n']})" for c in cells)
+                + " |")
     out += ["", "Vanilla: steps = gen_length, one token per step, block length 32, "
             "low-confidence remasking, greedy. Model calls per token count a row's model "
             "calls over its tokens before end-of-text.", ""]
     mon = log.get("evals") or []
     if mon:
-        out += ["Monitored during training (vanilla, gen length "
+        out += [f"Monitored during training ({tc.get('eval_sampler', 'vanilla')}, gen length "
                 f"{tc['eval_gen_length']}, first {tc['eval_n']} held-out problems):", "",
                 "| step | minutes | exact answer | lines exact |", "|---|---|---|---|"]
         out += [f"| {e['step']} | {e['t'] / 60:.1f} | {_pct(e['acc'])} | "

@@ -81,6 +81,10 @@ class SpeedTally:
         }
 
 
+def _line_share(lines: list[tuple[int, int]]) -> float:
+    return sum(r for r, _ in lines) / max(1, sum(t for _, t in lines))
+
+
 def prompts_for(problems, tokenizer=None) -> list[list[int]]:
     """Chat-formatted prompt ids; through the HF tokenizer when one is given."""
     if tokenizer is None:
@@ -92,8 +96,8 @@ def prompts_for(problems, tokenizer=None) -> list[list[int]]:
 def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int = 256,
              n: int = 500, split: str = "heldout", batch_size: int = 50,
              block_length: int | None = None, progress: bool = False, on_batch=None,
-             **sampler_options) -> dict:
-    """Exact-match accuracy of the final answer on n problems of a split.
+             task_set: str = tasks.DEFAULT_TASK_SET, **sampler_options) -> dict:
+    """Exact-match accuracy (`tasks.check`) on n problems of a split.
 
     Args:
       model: a DiffusionLM trained on the testbed vocabulary (e.g. load("tiny-llada")[0]).
@@ -106,9 +110,12 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
       block_length: passed to generate (None: the sampler's default).
       progress: a tqdm bar on stderr (problems done, accuracy and tokens/s so far).
       on_batch: optional callback(partial_result_dict) after each batch.
+      task_set: the task set the problems come from (`tasks.TASK_SETS`).
       **sampler_options: the sampler's options (steps, threshold, ...).
     Returns:
-      {"accuracy", "n", "correct", "accuracy_<family>", "line_accuracy", "tps",
+      {"accuracy", "n", "correct", "accuracy_<family>", "line_accuracy",
+       "line_accuracy_<family>", "accuracy_length" (per answer-length bucket: n and
+       accuracy), "tps",
        "nfe_per_token", "nfe_per_row", "wall_s", "sampler", "gen_length", ...}.
       tps: generated tokens (before the first EOS) per second of decoding wall time
       (compilation excluded; it is reported as compile_s);
@@ -118,11 +125,12 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     from asynclane_jax.decoding import generate
 
     check_n(n, split)
-    problems = tasks.split(split, n)
+    problems = tasks.split(split, n, task_set)
+    buckets = [tasks.length_bucket(tasks.answer_tokens(p)) for p in problems]
     prompts = prompts_for(problems, tokenizer)
     bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
     ok: list[bool] = []
-    lines_right = lines_total = 0
+    lines: list[tuple[int, int]] = []
     speed = SpeedTally()
     batches = range(0, n, batch_size)
     bar = None
@@ -140,22 +148,25 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
         speed.add(res.stats)
         for p, row in zip(chunk, res.tokens):
             ok.append(check(p, row))
-            r, t = line_accuracy(p, row)
-            lines_right += r
-            lines_total += t
+            lines.append(line_accuracy(p, row))
         done = len(ok)
         result = {
             "sampler": sampler, "gen_length": gen_length, "block_length": block_length,
-            "options": sampler_options, "split": split, "n": done,
+            "options": sampler_options, "split": split, "task_set": task_set, "n": done,
             "correct": int(sum(ok)), "accuracy": float(np.mean(ok)),
-            "line_accuracy": lines_right / max(1, lines_total),
+            "line_accuracy": _line_share(lines),
             **speed.figures(),
         }
-        for fam in tasks.FAMILIES:
-            sel = [o for o, p in zip(ok, problems[:done]) if p.family == fam]
+        for fam in tasks.families_of(task_set):
+            sel = [i for i, p in enumerate(problems[:done]) if p.family == fam]
             if sel:
-                result[f"accuracy_{fam}"] = float(np.mean(sel))
+                result[f"accuracy_{fam}"] = float(np.mean([ok[i] for i in sel]))
+                result[f"line_accuracy_{fam}"] = _line_share([lines[i] for i in sel])
                 result[f"n_{fam}"] = len(sel)
+        result["accuracy_length"] = {
+            name: {"n": len(sel), "accuracy": float(np.mean([ok[i] for i in sel]))}
+            for name, _, _ in tasks.LENGTH_BUCKETS
+            if (sel := [i for i in range(done) if buckets[i] == name])}
         if bar is not None:
             bar.update(len(chunk))
             bar.set_postfix_str(f"accuracy {result['accuracy']:.3f}, "
@@ -176,6 +187,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--split", default="heldout")
+    ap.add_argument("--tasks", default=None, choices=list(tasks.TASK_SETS),
+                    help="task set (default: the one the model was trained on)")
     ap.add_argument("--option", action="append", default=[],
                     help="sampler option KEY=VALUE (repeatable), e.g. threshold=0.9")
     ap.add_argument("--out", default=None, help="write the result JSON here (after each batch)")
@@ -202,7 +215,8 @@ def main(argv=None):
 
     write(evaluate(model, tokenizer, sampler=args.sampler, gen_length=args.gen_length, n=args.n,
                    split=args.split, batch_size=args.batch_size,
-                   block_length=args.block_length, on_batch=write, **options))
+                   block_length=args.block_length, on_batch=write,
+                   task_set=args.tasks or tasks.model_task_set(args.model), **options))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,31 @@ distance from that line: fetching it is a positional copy rather than a search b
 label, and what remains to learn is the chain itself. Responses are 31 (math) and 50
 (code) tokens; the rest of a 128..512-token canvas is end-of-text padding.
 
+Task sets. The first shipped models were trained on the set "v1" (math, code). The set
+"v2" adds two long families of one surface form, 2 to 34 working lines each (25 to 377
+response tokens), so that a 512-token canvas holds the answer and is not mostly padding:
+
+  chain  chained control: every line reads the previous line's result.
+        prompt:   start 7 : (1) + 2 (2) - 5 (3) + 4 . end ?
+        response: (1) then 7 + 2 = 9 , so 9 \n (2) next 9 - 5 = 4 , thus 4 \n
+                  (3) also 4 + 4 = 8 , so 8 \n answer : 8
+
+  list  independent lines: every line reads only the prompt (its own statement).
+        prompt:   solve each : (1) 3 + 2 (2) 9 - 5 (3) 1 + 4 .
+        response: (1) next 3 + 2 = 5 , hence 5 \n (2) then 9 - 5 = 4 , so 4 \n
+                  (3) then 1 + 4 = 5 , thus 5 \n answer : 5
+
+Each line opens with a connective (then / next / also) and restates its result after a
+consequence word (so / thus / hence), each drawn uniformly: these are free-choice
+positions, graded right whichever member of the set is written (`normalise_line`), so a
+model's confidence there is about one third by nature. chain and list are graded
+strictly: every working line right (free choices aside) and the answer line right; math
+and code by their answer line, as before. The prompt length grows with the number of
+lines, so a line finds its statement by its label, not at a fixed distance.
+
 Splits are fixed: the held-out split is drawn from its own seed, and the training stream
-skips any problem whose prompt occurs among the first HELDOUT_POOL held-out problems.
+skips any problem whose prompt occurs among the first HELDOUT_POOL held-out problems of
+the same task set.
 """
 
 from __future__ import annotations
@@ -35,14 +58,22 @@ import functools
 import random
 
 from asynclane_jax.testbed import tokenizer
-from asynclane_jax.testbed.words import GAIN_VERBS, ITEMS, LOSS_VERBS, NAMES, VARIABLES, label
+from asynclane_jax.testbed.words import (CONNECTIVES, CONSEQUENCES, GAIN_VERBS, ITEMS,
+                                         LOSS_VERBS, NAMES, VARIABLES, label)
 
-FAMILIES = ("math", "code")
+TASK_SETS = {"v1": ("math", "code"), "v2": ("math", "code", "chain", "list")}
+DEFAULT_TASK_SET = "v1"  # what the first shipped models (tiny-llada, tiny-dream) know
+FAMILIES = TASK_SETS[DEFAULT_TASK_SET]
+LONG_FAMILIES = ("chain", "list")  # graded on every line
 MAX_VALUE = 9  # every intermediate value stays in 0..MAX_VALUE
 MAX_OPERAND = 5
 MAX_STEPS = 8  # labels (0)..(MAX_STEPS) exist in the vocabulary
 MATH_STEPS = (4, 4)  # inclusive range of events per math problem
 CODE_STEPS = (3, 3)  # inclusive range of statements per program
+LONG_STEPS = (2, 34)  # inclusive range of working lines of chain and list
+# Answer-length buckets (response tokens before end-of-text) that results are split by.
+LENGTH_BUCKETS = (("<=64", 0, 64), ("65-128", 65, 128), ("129-256", 129, 256),
+                  (">256", 257, 10**9))
 
 TRAIN_SEED = 20240601
 HELDOUT_SEED = 777
@@ -119,7 +150,80 @@ def make_code(rng: random.Random, n_steps: int | None = None) -> Problem:
     return Problem("code", " ".join(prompt), " \n ".join(lines), state[shown])
 
 
-MAKERS = {"math": make_math, "code": make_code}
+def _long_line(rng: random.Random, i: int, value: int, sign: str, c: int) -> str:
+    """One working line of chain / list: (i) CONNECTIVE v +/- c = r , CONSEQUENCE r."""
+    new = _apply(value, sign, c)
+    return (f"{label(i)} {rng.choice(CONNECTIVES)} {value} {sign} {c} = {new} , "
+            f"{rng.choice(CONSEQUENCES)} {new}")
+
+
+def make_chain(rng: random.Random, n_steps: int | None = None) -> Problem:
+    n = n_steps or rng.randint(*LONG_STEPS)
+    value = rng.randint(0, MAX_VALUE)
+    prompt, lines = [f"start {value} :"], []
+    for i in range(1, n + 1):
+        sign, c = _step(rng, value)
+        prompt.append(f"{label(i)} {sign} {c}")
+        lines.append(_long_line(rng, i, value, sign, c))
+        value = _apply(value, sign, c)
+    prompt.append(". end ?")
+    lines.append(f"answer : {value}")
+    return Problem("chain", " ".join(prompt), " \n ".join(lines), value)
+
+
+def make_list(rng: random.Random, n_steps: int | None = None) -> Problem:
+    n = n_steps or rng.randint(*LONG_STEPS)
+    prompt, lines, last = ["solve each :"], [], 0
+    for i in range(1, n + 1):
+        value = rng.randint(0, MAX_VALUE)
+        sign, c = _step(rng, value)
+        prompt.append(f"{label(i)} {value} {sign} {c}")
+        lines.append(_long_line(rng, i, value, sign, c))
+        last = _apply(value, sign, c)
+    prompt.append(".")
+    lines.append(f"answer : {last}")
+    return Problem("list", " ".join(prompt), " \n ".join(lines), last)
+
+
+MAKERS = {"math": make_math, "code": make_code, "chain": make_chain, "list": make_list}
+
+
+def families_of(task_set: str) -> tuple[str, ...]:
+    """The families of a named task set ("v1", "v2")."""
+    try:
+        return TASK_SETS[task_set]
+    except KeyError:
+        raise ValueError(f"task set {task_set!r}: expected one of "
+                         f"{', '.join(TASK_SETS)}") from None
+
+
+def recorded_task_set(config: dict) -> str:
+    """The task set a converted folder's config.json (as a dict) says its model was
+    trained on: the testbed trainer records it; other models (and the first shipped
+    ones, trained before task sets existed) read as DEFAULT_TASK_SET."""
+    testbed = config.get("testbed") or {}
+    return (testbed.get("train_config") or {}).get("task_set") or DEFAULT_TASK_SET
+
+
+def model_task_set(path_or_name) -> str:
+    """recorded_task_set of a shipped model name or converted folder."""
+    import json
+
+    from asynclane_jax import checkpoint
+
+    folder = checkpoint.resolve(path_or_name)
+    return recorded_task_set(json.loads((folder / checkpoint.CONFIG_FILE).read_text()))
+
+
+def _families(families) -> tuple[str, ...]:
+    if isinstance(families, str):
+        return families_of(families)
+    families = tuple(families)
+    unknown = [f for f in families if f not in MAKERS]
+    if unknown or not families:
+        raise ValueError(f"families {unknown or families}: expected some of "
+                         f"{', '.join(MAKERS)}")
+    return families
 
 
 def make_problem(rng: random.Random, family: str | None = None) -> Problem:
@@ -127,35 +231,86 @@ def make_problem(rng: random.Random, family: str | None = None) -> Problem:
     return MAKERS[family](rng)
 
 
-def heldout(n: int, families: tuple[str, ...] = FAMILIES) -> list[Problem]:
-    """The first n held-out problems, families alternating (deterministic)."""
+def heldout(n: int, families=FAMILIES) -> list[Problem]:
+    """The first n held-out problems of a task set (its name or a tuple of families),
+    families alternating (deterministic)."""
+    families = _families(families)
     rng = random.Random(HELDOUT_SEED)
     return [make_problem(rng, families[i % len(families)]) for i in range(n)]
 
 
-@functools.lru_cache(maxsize=1)
-def _heldout_prompts() -> frozenset[str]:
-    return frozenset(p.prompt for p in heldout(HELDOUT_POOL))
+@functools.lru_cache(maxsize=4)
+def _heldout_prompts(families: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(p.prompt for p in heldout(HELDOUT_POOL, families))
 
 
-def problem_stream(seed: int = TRAIN_SEED, families: tuple[str, ...] = FAMILIES):
-    """An endless training stream that never yields a held-out prompt."""
+def problem_stream(seed: int = TRAIN_SEED, families=FAMILIES):
+    """An endless training stream that never yields a held-out prompt of its task set."""
+    families = _families(families)
     rng = random.Random(seed)
-    excluded = _heldout_prompts()
+    excluded = _heldout_prompts(families)
     while True:
         p = make_problem(rng, rng.choice(families))
         if p.prompt not in excluded:
             yield p
 
 
-def split(name: str, n: int) -> list[Problem]:
+def split(name: str, n: int, families=FAMILIES) -> list[Problem]:
     """n problems of a named split: "heldout" or "train" (the stream's first n)."""
     if name == "heldout":
-        return heldout(n)
+        return heldout(n, families)
     if name == "train":
-        stream = problem_stream()
+        stream = problem_stream(families=families)
         return [next(stream) for _ in range(n)]
     raise ValueError(f"split={name!r}: expected 'heldout' or 'train'")
+
+
+# --------------------------------------------------------------------------- statistics
+
+def answer_tokens(problem: Problem) -> int:
+    """Response tokens of the reference answer (end-of-text excluded)."""
+    return len(tokenizer.split_words(problem.response))
+
+
+def length_bucket(n_tokens: int) -> str:
+    """The LENGTH_BUCKETS name an answer of n_tokens falls in."""
+    for name, lo, hi in LENGTH_BUCKETS:
+        if lo <= n_tokens <= hi:
+            return name
+    raise ValueError(f"answer length {n_tokens}: not a token count")
+
+
+def split_stats(problems: list[Problem], bin_width: int = 32) -> dict:
+    """Answer-length and family statistics of a list of problems, as the model cards
+    report them: per family the count, min / mean / max answer tokens and working lines;
+    the share of answers above 128 and 256 tokens; counts per LENGTH_BUCKETS bucket; a
+    histogram of answer tokens in bins of bin_width; the longest prompt (chat markers
+    included)."""
+    lengths = [answer_tokens(p) for p in problems]
+    if not lengths:
+        raise ValueError("no problems to describe")
+    out: dict = {"n": len(problems),
+                 "frac_over_128": sum(n > 128 for n in lengths) / len(lengths),
+                 "frac_over_256": sum(n > 256 for n in lengths) / len(lengths),
+                 "max_prompt_tokens": max(len(tokenizer.split_words(p.prompt)) + 2
+                                          for p in problems),
+                 "buckets": {name: sum(length_bucket(n) == name for n in lengths)
+                             for name, _, _ in LENGTH_BUCKETS}}
+    fams: dict = {}
+    for p, n in zip(problems, lengths):
+        fams.setdefault(p.family, []).append((n, len(p.lines) - 1))
+    out["families"] = {
+        f: {"n": len(v), "min_tokens": min(n for n, _ in v),
+            "mean_tokens": round(sum(n for n, _ in v) / len(v), 1),
+            "max_tokens": max(n for n, _ in v),
+            "mean_lines": round(sum(k for _, k in v) / len(v), 2)}
+        for f, v in fams.items()}
+    top = max(lengths)
+    out["histogram"] = {"bin_width": bin_width,
+                        "counts": [sum(b * bin_width < n <= (b + 1) * bin_width
+                                       for n in lengths)
+                                   for b in range(top // bin_width + 1)]}
+    return out
 
 
 # --------------------------------------------------------------------------- checking
@@ -180,26 +335,46 @@ def parse_lines(text: str) -> list[str]:
     return [" ".join(ln.split()) for ln in text.split("\n") if ln.strip()]
 
 
+_FREE = {**{w: "<connective>" for w in CONNECTIVES},
+         **{w: "<consequence>" for w in CONSEQUENCES}}
+
+
+def normalise_line(line: str) -> str:
+    """A line with every free-choice word replaced by its set's name, so that any
+    connective (then / next / also) and any consequence word (so / thus / hence) is as
+    right as the reference's. The free words occur nowhere else, and the two sets have
+    different names: a consequence word in a connective's place stays wrong."""
+    return " ".join(_FREE.get(t, t) for t in line.split())
+
+
+def _lines_of(generated) -> list[str]:
+    if not isinstance(generated, str) and len(generated) and not isinstance(generated[0], str):
+        generated = tokenizer.decode_ids(generated)
+    return [normalise_line(ln) for ln in parse_lines(response_text(generated))]
+
+
 def check(problem: Problem, generated) -> bool:
-    """Exact match of the final answer: the last line of the response (before
-    end-of-text) must read "answer : N" with N the problem's answer.
+    """Whether a generated response is right.
+
+    math and code: the last line of the response (before end-of-text) must read
+    "answer : N" with N the problem's answer. chain and list: every line must equal the
+    reference's, free choices aside (`normalise_line`), and no line may be added.
 
     Args:
       problem: the Problem.
       generated: the generated text, a list of token strings, or a list of token ids of
         the testbed tokenizer.
     """
-    if not isinstance(generated, str) and len(generated) and not isinstance(generated[0], str):
-        generated = tokenizer.decode_ids(generated)
-    lines = parse_lines(response_text(generated))
+    lines = _lines_of(generated)
+    if problem.family in LONG_FAMILIES:
+        return lines == [normalise_line(ln) for ln in parse_lines(problem.response)]
     return bool(lines) and lines[-1] == f"answer : {problem.answer}"
 
 
 def line_accuracy(problem: Problem, generated) -> tuple[int, int]:
-    """(working lines exactly right, working lines in the reference)."""
-    if not isinstance(generated, str) and len(generated) and not isinstance(generated[0], str):
-        generated = tokenizer.decode_ids(generated)
-    got = parse_lines(response_text(generated))
-    ref = parse_lines(problem.response)
+    """(working lines exactly right, working lines in the reference), free choices
+    aside; a line counts when it is right at its own position."""
+    got = _lines_of(generated)
+    ref = [normalise_line(ln) for ln in parse_lines(problem.response)]
     right = sum(1 for i, r in enumerate(ref) if i < len(got) and got[i] == r)
     return right, len(ref)

@@ -42,7 +42,14 @@ def vocabulary() -> tuple[str, ...]:
               "print"]
     words += list(task_words.NAMES) + list(task_words.ITEMS) + list(task_words.GAIN_VERBS)
     words += list(task_words.LOSS_VERBS) + list(task_words.VARIABLES)
+    # Appended for the long task families (ids above stay what the first models have).
+    words += [task_words.label(i) for i in range(16, task_words.MAX_LABEL + 1)]
+    words += list(task_words.CONNECTIVES) + list(task_words.CONSEQUENCES)
+    words += list(task_words.LONG_WORDS)
     return tuple(SPECIALS) + tuple(words)
+
+
+FIRST_VOCAB_SIZE = 159  # the vocabulary of the task set "v1" (its models' embeddings)
 
 
 @functools.lru_cache(maxsize=1)

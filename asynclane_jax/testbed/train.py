@@ -60,6 +60,12 @@ class TrainConfig:
     prompt_length: int = 28  # prompts are left-padded to this many tokens
     # (response region length, rows, probability) of each batch shape.
     regions: tuple = ((64, 32, 0.92), (256, 8, 0.064), (512, 4, 0.016))
+    # The task set trained on (tasks.TASK_SETS) and, for sets whose prompts and answers
+    # vary in length, length buckets (prompt length, response region, rows, probability)
+    # that replace prompt_length and regions: a problem goes to the smallest bucket it
+    # fits, and a batch of a bucket holds only problems whose smallest bucket it is.
+    task_set: str = "v1"
+    buckets: tuple | None = None
     lr: float = 2e-3
     min_lr_ratio: float = 0.03
     warmup_steps: int = 200
@@ -80,6 +86,7 @@ class TrainConfig:
     eval_every_s: float = 600.0
     eval_n: int = 32
     eval_gen_length: int = 64
+    eval_sampler: str = "vanilla"  # "vanilla" (steps = gen length) or "fast-dllm"
     ckpt_every_s: float = 300.0
     seed: int = 0
 
@@ -109,7 +116,16 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["regions"] = [list(r) for r in self.regions]
+        if self.buckets is not None:
+            d["buckets"] = [list(b) for b in self.buckets]
         return d
+
+    @property
+    def eval_prompt_length(self) -> int:
+        """The longest prompt a batch can hold (the monitor's prompt bucket)."""
+        if self.buckets:
+            return max(b[0] for b in self.buckets)
+        return self.prompt_length
 
 
 def long_frac(regions) -> float:
@@ -127,6 +143,24 @@ def dream_config(**changes) -> TrainConfig:
     """tiny-dream: GQA (4 query / 2 key-value heads), q/k/v biases, shifted logits."""
     return dataclasses.replace(
         TrainConfig(name="tiny-dream", family="dream", n_kv_heads=2), **changes)
+
+
+# Length buckets of the task set v2 (prompt tokens, response region, rows, probability):
+# tokens per step stay near 3,000, and the step probabilities follow how often each
+# bucket's problems occur (half the problems are math / code, all in the first bucket;
+# chain and list have 2..34 lines, 11 tokens each) divided by the bucket's rows.
+V2_BUCKETS = ((32, 64, 32, 0.19), (64, 128, 16, 0.06), (96, 256, 8, 0.25),
+              (144, 512, 4, 0.50))
+
+
+def v2_config(family: str = "llada", **changes) -> TrainConfig:
+    """A model of the task set v2: the long families need a 144-token prompt bucket and
+    a 1024-token generation (max_seq_len 1168) and train with V2_BUCKETS; monitors use
+    Fast-dLLM at gen length 512 (vanilla there is gen length calls per problem)."""
+    base = llada_config() if family == "llada" else dream_config()
+    v2 = dict(name=f"{base.name}-v2", task_set="v2", buckets=V2_BUCKETS, max_seq_len=1168,
+              eval_gen_length=512, eval_sampler="fast-dllm")
+    return dataclasses.replace(base, **{**v2, **changes})
 
 
 # --------------------------------------------------------------------------- data
@@ -164,6 +198,44 @@ def sample_batch(stream, regions, prompt_length: int, rng: np.random.Generator,
     probs = np.array([r[2] for r in regions], float)
     region, rows, _ = regions[rng.choice(len(regions), p=probs / probs.sum())]
     return make_batch(stream, rows, region, prompt_length, rng, attended_pad_frac)
+
+
+def smallest_bucket(buckets, problem: tasks.Problem) -> int:
+    """Index of the first bucket (prompt length, region, ...) a problem fits: its chat
+    prompt within the prompt length and its response strictly shorter than the region
+    (at least one end-of-text follows the answer)."""
+    n_prompt = len(tok.prompt_ids(problem.prompt))
+    n_resp = len(tok.split_words(problem.response))
+    for i, (p_len, region, *_) in enumerate(buckets):
+        if n_prompt <= p_len and n_resp < region:
+            return i
+    raise ValueError(f"a {problem.family} problem (prompt {n_prompt} tokens, response "
+                     f"{n_resp}) fits no length bucket of {[b[:2] for b in buckets]}")
+
+
+class BucketedStream:
+    """Sorts a problem stream into length buckets: `batch(rng)` draws a bucket by its
+    probability and returns a batch of problems whose smallest bucket it is (problems
+    drawn for other buckets wait in their queues, so none is thrown away)."""
+
+    def __init__(self, stream, buckets):
+        self.stream, self.buckets = stream, tuple(tuple(b) for b in buckets)
+        self.queues: list[list[tasks.Problem]] = [[] for _ in self.buckets]
+
+    def take(self, index: int, rows: int) -> list[tasks.Problem]:
+        queue = self.queues[index]
+        while len(queue) < rows:
+            p = next(self.stream)
+            self.queues[smallest_bucket(self.buckets, p)].append(p)
+        out, self.queues[index] = queue[:rows], queue[rows:]
+        return out
+
+    def batch(self, rng: np.random.Generator, attended_pad_frac: float = 0.0) -> dict:
+        probs = np.array([b[3] for b in self.buckets], float)
+        index = int(rng.choice(len(self.buckets), p=probs / probs.sum()))
+        p_len, region, rows, _ = self.buckets[index]
+        return make_batch(iter(self.take(index, rows)), rows, region, p_len, rng,
+                          attended_pad_frac)
 
 
 # --------------------------------------------------------------------------- objective
@@ -241,19 +313,21 @@ def make_train_step(graphdef, tx, t_eps: float) -> Callable:
 # --------------------------------------------------------------------------- monitoring
 
 def monitor(model: DiffusionLM, problems: list[tasks.Problem], *, gen_length: int,
-            prompt_length: int) -> dict:
-    """Exact-match and per-line accuracy of greedy vanilla decoding (steps = gen_length)."""
+            prompt_length: int, sampler: str = "vanilla") -> dict:
+    """Exact-match and per-line accuracy of greedy decoding: vanilla (steps =
+    gen_length) or Fast-dLLM (its defaults: threshold 0.9)."""
     from asynclane_jax.decoding import generate
 
     block = 32 if gen_length % 32 == 0 else gen_length
-    out = generate(model, [tok.prompt_ids(p.prompt) for p in problems], sampler="vanilla",
-                   gen_length=gen_length, block_length=block, steps=gen_length,
-                   bucket=prompt_length).tokens
+    options = {"steps": gen_length} if sampler == "vanilla" else {}
+    out = generate(model, [tok.prompt_ids(p.prompt) for p in problems], sampler=sampler,
+                   gen_length=gen_length, block_length=block, bucket=prompt_length,
+                   **options).tokens
     ok = [tasks.check(p, row) for p, row in zip(problems, out)]
     lines = [tasks.line_accuracy(p, row) for p, row in zip(problems, out)]
     res = {"acc": float(np.mean(ok)),
            "line_acc": sum(r for r, _ in lines) / max(1, sum(n for _, n in lines))}
-    for fam in tasks.FAMILIES:
+    for fam in tasks.MAKERS:
         sel = [o for o, p in zip(ok, problems) if p.family == fam]
         if sel:
             res[f"acc_{fam}"] = float(np.mean(sel))
@@ -282,7 +356,9 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._restore()
-        self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed)
+        self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed,
+                                            families=tc.task_set)
+        self.buckets = BucketedStream(self._stream, tc.buckets) if tc.buckets else None
         self._rng = np.random.default_rng(tc.seed + self.step)
 
     # -- checkpoints
@@ -346,6 +422,8 @@ class Trainer:
         return self.elapsed / (60.0 * self.tc.minutes)
 
     def next_batch(self) -> dict:
+        if self.buckets is not None:
+            return self.buckets.batch(self._rng, self.tc.attended_pad_frac)
         return sample_batch(self._stream, self.tc.regions, self.tc.prompt_length, self._rng,
                             self.tc.attended_pad_frac)
 
@@ -365,16 +443,16 @@ class Trainer:
         self.step += 1
         rec = {"step": self.step, "t": round(self.elapsed, 2), "lr": lr,
                "t_max": round(t_max, 4),
-               "region": int(batch["tokens"].shape[1] - self.tc.prompt_length),
+               "region": int(batch["response"][0].sum()),
                **{k: round(v, 5) for k, v in aux.items()}}
         self.history.append(rec)
         return rec
 
     def evaluate(self) -> dict:
-        problems = tasks.heldout(self.tc.eval_n)
+        problems = tasks.heldout(self.tc.eval_n, self.tc.task_set)
         t0 = time.perf_counter()
         res = monitor(self.current_model(), problems, gen_length=self.tc.eval_gen_length,
-                      prompt_length=self.tc.prompt_length)
+                      prompt_length=self.tc.eval_prompt_length, sampler=self.tc.eval_sampler)
         res.update(step=self.step, t=round(self.elapsed, 1),
                    eval_s=round(time.perf_counter() - t0, 1))
         self.evals.append(res)
@@ -449,7 +527,9 @@ def plot_run(log: dict, path) -> None:
         ax[1].plot([e["step"] for e in ev], [e["line_acc"] for e in ev], "s-", label="lines exact")
     ax[1].set_ylim(0, 1)
     ax[1].set_xlabel("step")
-    ax[1].set_title("held-out (monitor, vanilla, gen 64)")
+    cfg = log["config"]
+    ax[1].set_title(f"held-out (monitor, {cfg.get('eval_sampler', 'vanilla')}, "
+                    f"gen {cfg.get('eval_gen_length', 64)})")
     ax[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

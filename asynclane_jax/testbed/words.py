@@ -11,6 +11,14 @@ GAIN_VERBS = ("gets", "finds", "buys", "wins")
 LOSS_VERBS = ("loses", "gives", "eats", "sells")
 VARIABLES = ("x", "y")
 
+# Free-choice words of the long families (chain, list): each working line opens with a
+# connective and restates its result after a consequence word, each drawn uniformly from
+# its set, and any member of the set is graded right. Their confidence is low by nature.
+CONNECTIVES = ("then", "next", "also")
+CONSEQUENCES = ("so", "thus", "hence")
+LONG_WORDS = ("start", "end", "solve", "each")  # prompt words of chain and list
+MAX_LABEL = 40  # labels (0)..(MAX_LABEL) are in the vocabulary
+
 
 def label(i: int) -> str:
     """The step label "(i)"."""

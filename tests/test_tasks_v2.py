@@ -1,0 +1,171 @@
+"""The task set v2: long chained and independent families with free-choice words."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+import random
+
+import numpy as np
+import pytest
+
+from asynclane_jax.testbed import tasks
+from asynclane_jax.testbed import tokenizer as tok
+from asynclane_jax.testbed import train
+from asynclane_jax.testbed.words import CONNECTIVES, CONSEQUENCES
+
+MODELS = pathlib.Path(tasks.__file__).parent / "models"
+
+
+def _problem(family: str, n_steps: int, seed: int = 0) -> tasks.Problem:
+    return tasks.MAKERS[family](random.Random(seed), n_steps)
+
+
+def _tokens(line: str) -> list[str]:
+    return line.split()
+
+
+@pytest.mark.parametrize("family", tasks.LONG_FAMILIES)
+def test_every_free_choice_is_graded_right(family):
+    p = _problem(family, 2)
+    lines = tasks.parse_lines(p.response)
+    # Positions 1 (connective) and 8 (consequence word) of each working line are free.
+    choices = []
+    for ln in lines[:-1]:
+        t = _tokens(ln)
+        assert t[1] in CONNECTIVES and t[8] in CONSEQUENCES
+        choices.append([(c, s) for c in CONNECTIVES for s in CONSEQUENCES])
+    for combo in itertools.product(*choices):
+        new = []
+        for ln, (c, s) in zip(lines[:-1], combo):
+            t = _tokens(ln)
+            t[1], t[8] = c, s
+            new.append(" ".join(t))
+        text = " \n ".join(new + lines[-1:])
+        assert tasks.check(p, text), text
+        assert tasks.line_accuracy(p, text) == (len(lines), len(lines))
+
+
+@pytest.mark.parametrize("family", tasks.LONG_FAMILIES)
+def test_wrong_values_and_wrong_words_are_refused(family):
+    p = _problem(family, 5, seed=3)
+    lines = tasks.parse_lines(p.response)
+    assert tasks.check(p, p.response)
+    rng = random.Random(1)
+    for _ in range(20):
+        i = rng.randrange(len(lines) - 1)
+        t = _tokens(lines[i])
+        pos = rng.choice([2, 4, 6, 9])  # operand, operand, result, restated result
+        t[pos] = str((int(t[pos]) + 1 + rng.randrange(9)) % 10)
+        bad = lines[:i] + [" ".join(t)] + lines[i + 1:]
+        text = " \n ".join(bad)
+        assert not tasks.check(p, text)
+        assert tasks.line_accuracy(p, text) == (len(lines) - 1, len(lines))
+    # A consequence word where a connective belongs is wrong, and so is the reverse.
+    t = _tokens(lines[0])
+    t[1], t[8] = CONSEQUENCES[0], CONNECTIVES[0]
+    assert not tasks.check(p, " \n ".join([" ".join(t)] + lines[1:]))
+    # A missing line, an added line and a wrong answer line are wrong.
+    assert not tasks.check(p, " \n ".join(lines[1:]))
+    assert not tasks.check(p, " \n ".join(lines[:-1] + lines[-2:]))
+    wrong = f"answer : {(p.answer + 1) % 10}"
+    assert not tasks.check(p, " \n ".join(lines[:-1] + [wrong]))
+    # Text after end-of-text does not count.
+    assert tasks.check(p, p.response + f" {tok.EOS} (9) junk")
+
+
+def test_the_list_lines_read_only_the_prompt_and_the_chain_lines_the_line_before():
+    for p in tasks.heldout(60, "v2"):
+        if p.family not in tasks.LONG_FAMILIES:
+            continue
+        stated = p.prompt.split(":")[1].rstrip(" .?end").split()
+        lines = [_tokens(ln) for ln in tasks.parse_lines(p.response)[:-1]]
+        if p.family == "list":
+            items = [stated[i:i + 4] for i in range(0, len(stated), 4)]
+            for (lab, a, s, c), t in zip(items, lines):
+                assert t[0] == lab and t[2:5] == [a, s, c]
+                assert int(t[6]) == (int(a) + int(c) if s == "+" else int(a) - int(c))
+        else:
+            value = int(p.prompt.split()[1])
+            items = [stated[i:i + 3] for i in range(0, len(stated), 3)]
+            for (lab, s, c), t in zip(items, lines):
+                assert t[0] == lab and t[2:5] == [str(value), s, c]
+                value = int(t[6])
+                assert t[9] == t[6]
+        assert _tokens(tasks.parse_lines(p.response)[-1]) == ["answer", ":", str(p.answer)]
+
+
+def test_held_out_lengths_meet_the_design():
+    """The answer lengths the long budgets need, computed on the held-out split."""
+    stats = tasks.split_stats(tasks.heldout(1000, "v2"))
+    assert stats["frac_over_128"] >= 0.30
+    assert stats["frac_over_256"] >= 0.10
+    lengths = [tasks.answer_tokens(p) for p in tasks.heldout(1000, "v2")]
+    assert min(lengths) <= 31 and 350 <= max(lengths) <= 400
+    assert sum(stats["buckets"].values()) == stats["n"] == 1000
+    assert sum(stats["histogram"]["counts"]) == 1000
+    fams = stats["families"]
+    assert set(fams) == set(tasks.TASK_SETS["v2"]) and all(f["n"] == 250 for f in fams.values())
+    # The chained control and the independent family have comparable lengths.
+    assert abs(fams["chain"]["mean_tokens"] - fams["list"]["mean_tokens"]) < 20
+    # Every held-out problem fits the trainer's buckets and a 1024-token generation.
+    cfg = train.v2_config()
+    for p in tasks.heldout(400, "v2"):
+        train.smallest_bucket(cfg.buckets, p)
+    assert stats["max_prompt_tokens"] + 1024 <= cfg.max_seq_len
+
+
+def test_length_buckets_and_stats_by_hand():
+    problems = [_problem("list", k) for k in (2, 6, 12, 24, 34)]
+    lengths = [tasks.answer_tokens(p) for p in problems]
+    assert lengths == [11 * k + 3 for k in (2, 6, 12, 24, 34)]
+    assert [tasks.length_bucket(n) for n in lengths] == [
+        "<=64", "65-128", "129-256", ">256", ">256"]
+    stats = tasks.split_stats(problems)
+    assert stats["buckets"] == {"<=64": 1, "65-128": 1, "129-256": 1, ">256": 2}
+    assert stats["frac_over_256"] == pytest.approx(0.4)
+    with pytest.raises(ValueError):
+        tasks.split_stats([])
+
+
+def test_v1_split_and_vocabulary_unchanged():
+    assert tasks.heldout(30) == tasks.heldout(30, "v1") == tasks.heldout(30, ("math", "code"))
+    assert {p.family for p in tasks.heldout(30)} == {"math", "code"}
+    # The first models' tokenizer keeps its ids: the vocabulary only grew at its end.
+    shipped = json.loads((MODELS / "tiny-llada" / "tokenizer.json").read_text())
+    vocab = shipped["model"]["vocab"]
+    assert len(vocab) == tok.FIRST_VOCAB_SIZE
+    assert all(tok.token_to_id()[t] == i for t, i in vocab.items())
+    with pytest.raises(ValueError, match="task set"):
+        tasks.heldout(3, "v9")
+    with pytest.raises(ValueError, match="families"):
+        tasks.heldout(3, ("math", "poetry"))
+
+
+def test_training_stream_and_buckets():
+    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, "v2")}
+    stream = tasks.problem_stream(families="v2")
+    drawn = [next(stream) for _ in range(400)]
+    assert not held & {p.prompt for p in drawn}
+    assert {p.family for p in drawn} == set(tasks.TASK_SETS["v2"])
+    buckets = train.V2_BUCKETS
+    bs = train.BucketedStream(iter(drawn), buckets)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        batch = bs.batch(rng)
+        rows, n = batch["tokens"].shape
+        index = [b[2] for b in buckets].index(rows)
+        p_len, region = buckets[index][:2]
+        assert n == p_len + region and batch["response"][:, p_len:].all()
+        assert not batch["response"][:, :p_len].any()
+        # Each row's response ends with end-of-text, and no row belongs to a smaller bucket.
+        eos = tok.special_ids()["eos_token_id"]
+        assert (batch["tokens"][:, -1] == eos).all()
+    for p in drawn[:50]:
+        i = train.smallest_bucket(buckets, p)
+        n_resp = len(tok.split_words(p.response))
+        assert n_resp < buckets[i][1] and (i == 0 or n_resp >= buckets[i - 1][1]
+                                           or len(tok.prompt_ids(p.prompt)) > buckets[i - 1][0])
+    with pytest.raises(ValueError, match="fits no length bucket"):
+        train.smallest_bucket(((32, 64, 1, 1.0),), _problem("list", 30))
