@@ -41,6 +41,8 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 DIGESTS_FILE = "digests.json"
+COMMIT_MARKER = "commit_success.txt"  # orbax's completion marker in params/
+COMMIT_MARKER_TEXT = "Checkpoint commit was successful"
 DIGESTS_FORMAT = "asynclane-jax-digests"
 # sha256 over the concatenated sha256 digests of the array's bytes in chunks of this size
 # (one chunk for a smaller array): the chunks of a large array hash in parallel.
@@ -330,6 +332,11 @@ def save_params(params_dir: pathlib.Path, params: dict) -> None:
     with ocp.Checkpointer(handler) as ckptr:
         ckptr.save(params_dir.absolute(), args=ocp.args.PyTreeSave(
             _str_keys(params), ocdbt_target_data_file_size=0))
+    # orbax leaves a marker naming the absolute path it wrote to (a temporary folder on
+    # this machine); nothing reads its text, so it is rewritten without the path.
+    marker = params_dir / COMMIT_MARKER
+    if marker.is_file():
+        marker.write_text(COMMIT_MARKER_TEXT)
 
 
 def save(folder: str | os.PathLike, model: DiffusionLM, *, hf_config: dict | None = None,
