@@ -212,6 +212,24 @@ def test_folded_lbs_equals_the_trained_router_and_round_trips(tmp_path):
     np.testing.assert_allclose(back.lps_module()(feats, mask), lps(feats, mask), rtol=1e-6)
 
 
+def test_changed_router_files_are_refused(tmp_path):
+    lbs, lps = _tiny_weights()
+    w = ER.RouterWeights.from_modules(lbs=lbs, lps=lps, meta={"tau_psi": 0.8})
+    out = ER.save_routers(tmp_path, w)
+    arrays = dict(np.load(out / ER.WEIGHTS_FILE))
+    key = sorted(arrays)[0]
+    changed = dict(arrays, **{key: arrays[key] + 1e-3})
+    np.savez(out / ER.WEIGHTS_FILE, **changed)
+    with pytest.raises(ER.RouterError, match="do not match the digest"):
+        ER.load_routers(tmp_path)
+    changed[key] = np.full_like(arrays[key], np.nan)
+    np.savez(out / ER.WEIGHTS_FILE, **changed)
+    with pytest.raises(ER.RouterError, match="non-finite"):
+        ER.load_routers(tmp_path)
+    np.savez(out / ER.WEIGHTS_FILE, **arrays)
+    assert ER.load_routers(tmp_path) == w
+
+
 def test_losses_and_tau():
     ce = jnp.asarray([[0.1, 3.0, 0.5]])
     m = jnp.ones((1, 3), bool)

@@ -374,8 +374,22 @@ def _load(path: str, mtime: float) -> RouterWeights:
         raise RouterError(f"{folder}: cannot read router weights ({e})") from None
     lbs = {k[4:]: v for k, v in arrays.items() if k.startswith("lbs/")}
     lps = {k[4:]: v for k, v in arrays.items() if k.startswith("lps/")}
-    return RouterWeights(LBSConfig(**meta.pop("lbs_config")), lbs,
-                         LPSConfig(**meta.pop("lps_config")), lps, meta)
+    bad = [k for k, v in arrays.items()
+           if not np.issubdtype(v.dtype, np.number) or not np.all(np.isfinite(v))]
+    if bad:
+        raise RouterError(f"{folder / WEIGHTS_FILE}: non-finite or non-numeric router "
+                          f"weights ({', '.join(sorted(bad)[:3])})")
+    try:
+        weights = RouterWeights(LBSConfig(**meta.pop("lbs_config")), lbs,
+                                LPSConfig(**meta.pop("lps_config")), lps, meta)
+    except (KeyError, TypeError) as e:
+        raise RouterError(f"{folder / META_FILE}: not a router description ({e})") from None
+    recorded = meta.get("digest")
+    if recorded is not None and recorded != weights.digest:
+        raise RouterError(f"{folder}: the router weights do not match the digest recorded "
+                          f"in {META_FILE} ({weights.digest} != {recorded}): the files were "
+                          "changed or mixed up")
+    return weights
 
 
 def load_routers(folder) -> RouterWeights:
