@@ -47,7 +47,7 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
                 split=slot, fresh=jnp.zeros((b, G), bool), draft=jnp.full((b, G), -1, jnp.int32),
                 eos=row + G, visible=row + G, extend=jnp.zeros((b,), bool),
                 need_full=jnp.zeros((b,), bool), since_full=row, steps=row, forks=row,
-                peak=row + 1, refreshes=row, cuts=row)
+                peak=row + 1, refreshes=row, cuts=row, idle=row)
     for k, v in fields.items():
         base[k] = jnp.broadcast_to(jnp.asarray(v, base[k].dtype), base[k].shape)
     return LaneState(**base)
@@ -93,7 +93,7 @@ def test_scatter_predictions():
 
 # -- commit --------------------------------------------------------------------------------
 COMMIT = dict(block_length=4, threshold=0.9, relaxed_threshold=0.75, radius=1, lookahead=0,
-              draft_threshold=0.7, refine_budget=4)
+              draft_threshold=0.7, refine_budget=4, progress="wait")
 PRED = arr(np.arange(8) + 20)  # position j predicts token 20 + j (tokens are opaque here)
 ALL = jnp.ones((1, 8), bool)
 
@@ -147,6 +147,39 @@ def test_commit_forces_the_best_unless_a_refine_lane_is_open():
     new, _ = commit_phase(ctx, gen, PRED, pconf.at[0, 4].set(0.95), ALL, st.replace(
         steps=arr([3])), arr([8]), **COMMIT)
     eq(new, [[30, X, X, X, 24, X, X, X]])
+
+
+def test_commit_progress_rules_while_refining():
+    ctx = context(8)
+    # A refine lane [0, 2) holding a mask at 1 (pconf 0.5), forked at step 0, within its
+    # budget; the window [2, 6) has nothing sure, its best is 3 (0.6). Nothing passes a
+    # threshold: `wait` commits nothing (above).
+    gen = arr([[30, X, X, X, X, X, X, X]])
+    st = make_lanes([[REFINE, GENERATE]], [[0, 2]], [[2, 6]], G=8, win=2, gen_slot=1,
+                    split=[[0, -1]], steps=3)
+    pconf = arr([[0.5, 0.5, 0.5, 0.6, 0.4, 0.5, 0.99, 0.5]], jnp.float32)
+
+    def run(rule, pc=pconf, has=ALL, lanes=st):
+        return commit_phase(ctx, gen, PRED, pc, has, lanes, arr([8]),
+                            **{**COMMIT, "progress": rule})[0]
+
+    eq(run("wait"), gen)
+    # The refine lane first: its best (1), not the window's more confident 3.
+    eq(run("refine-first"), [[30, 21, X, X, X, X, X, X]])
+    # best: the most confident of both together (3 at 0.6 over 1 at 0.5).
+    eq(run("best"), [[30, X, X, 23, X, X, X, X]])
+    # A refine mask the call did not predict: refine-first falls back on the window.
+    eq(run("refine-first", has=ALL.at[0, 1].set(False)), [[30, X, X, 23, X, X, X, X]])
+    # A sure window position commits; refine-first still resolves the refine lane too.
+    sure = pconf.at[0, 4].set(0.95)
+    eq(run("refine-first", sure), [[30, 21, X, X, 24, X, X, X]])
+    eq(run("best", sure), [[30, X, X, X, 24, X, X, X]])  # 4 is the best of both
+    # No refine lane holding a mask: every rule is block decoding (the window's best).
+    done = gen.at[0, 1].set(31)
+    for rule in ("wait", "refine-first", "best"):
+        got = commit_phase(ctx, done, PRED, pconf, ALL, st, arr([8]),
+                           **{**COMMIT, "progress": rule})[0]
+        eq(got, [[30, 31, X, 23, X, X, X, X]])
 
 
 def test_commit_lookahead_drafts_and_draft_reuse():

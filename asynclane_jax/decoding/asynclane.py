@@ -38,9 +38,11 @@ One iteration (per row):
      draft reuse: a position whose prediction equals the draft made for it while it
      was in the lookahead window commits at draft_threshold; and the most confident
      position, unless a refine lane is open (then the continuation commits only what
-     it is sure of). Refine lanes: confidence >= threshold; a lane older than
-     refine_budget iterations also commits its most confident position each
-     iteration. Lookahead positions never commit; their predictions become drafts.
+     it is sure of). Refine lanes: the same rules; a lane older than refine_budget
+     iterations also commits its most confident position each iteration. While a
+     refine lane is open, `progress` forces one commit per iteration (refine-first:
+     the refine lanes' best, else the window's), so forking never idles. Lookahead
+     positions never commit; their predictions become drafts.
   4. Cascading termination. An end-of-text committed at p makes every later position
      end-of-text; lanes starting after p are terminated, a lane straddling p is cut
      there, and no call is spent on the tail.
@@ -104,6 +106,7 @@ class LaneState:
     peak: jax.Array  # [b] most active lanes at once
     refreshes: jax.Array  # [b] full forwards that served the row
     cuts: jax.Array  # [b] lanes terminated or cut by an end-of-text
+    idle: jax.Array  # [b] served iterations that committed no position
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,19 +166,36 @@ def scatter_predictions(ctx: Context, out: CallOutput):
     return pred, pconf, has & out.serve[:, None]
 
 
+PROGRESS_RULES = ("refine-first", "best", "wait")
+
+
 def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier, *,
                  block_length: int, threshold: float, relaxed_threshold: float, radius: int,
-                 lookahead: int, draft_threshold: float, refine_budget: int):
+                 lookahead: int, draft_threshold: float, refine_budget: int,
+                 progress: str):
     """Which masked positions commit this iteration, in the window and in refine lanes.
 
     Window [win, win + B) (before the tail): every masked position with pconf >=
     threshold; within `radius` of such an anchor, >= relaxed_threshold (only when it is
     below threshold); with a lookahead, a position whose prediction equals its draft, at
-    min(draft_threshold, threshold); and the most confident candidate, unless a refine
-    lane still holds a mask. Refine lanes: pconf >= threshold; a lane forked at least
-    refine_budget iterations ago also commits its most confident position (ties: all
-    of them). The predictions made for the lookahead [win + B, win + B + W) become its
-    drafts; lookahead positions never commit.
+    min(draft_threshold, threshold). Refine lanes: pconf >= threshold; a lane forked at
+    least refine_budget iterations ago also commits its most confident position (ties:
+    all of them). The predictions made for the lookahead [win + B, win + B + W) become
+    its drafts; lookahead positions never commit.
+
+    The forced commit that guarantees progress. While no refine lane of the row holds a
+    mask, the window's most confident candidate always commits (block decoding). While
+    one does (the row is *refining*), the window never forces its best, so the
+    continuation commits only what it is sure of, and `progress` says what is forced
+    instead, every iteration:
+      refine-first: the most confident refine-lane candidate, or, when the call
+        predicted none, the window's most confident candidate;
+      best: the most confident candidate of the refine lanes and the window together;
+      wait: nothing (the rule before `progress`: the row may spend an iteration
+        committing nothing, and the refine lanes commit by threshold only).
+    With refine-first and best, the refine lanes also take the window's relaxed and
+    draft rules (anchors in either serve both), and every served iteration that
+    predicted a masked candidate commits at least one position.
 
     Args:
       ctx: the canvas facts (mask_id).
@@ -183,38 +203,53 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
       pred, pconf, has: [b, G] from `scatter_predictions`.
       lanes: LaneState (win, kind, start, end, split, steps, draft are read).
       frontier: [b] `text_frontier` of the end-of-text before this iteration.
-      block_length .. refine_budget: the schedule's settings of those names.
+      block_length .. progress: the schedule's settings of those names.
     Returns:
       (new [b, G] int32 gen with the commits, lanes with `draft` [b, G] updated).
     """
+    if progress not in PROGRESS_RULES:
+        raise SamplerError(f"progress={progress!r}: expected one of {', '.join(PROGRESS_RULES)}")
     G = gen.shape[-1]
     j = jnp.arange(G)[None, :]
     masked = gen == ctx.mask_id
     lo = lanes.win[:, None]
     in_win = (j >= lo) & (j < lo + block_length) & (j < frontier[:, None])
     member_r = lane_members(lanes, G, (REFINE,))  # [b, G, M]
-    # The forced best commit guarantees the window progress; while a refine lane is
-    # open the continuation commits only what it is sure of, and the refine lanes (which
-    # force their best after refine_budget) go first.
     refining = jnp.any(member_r & masked[..., None], axis=(1, 2))[:, None]  # [b, 1]
     cand = masked & in_win & has
-    c = jnp.where(cand, pconf, ops.NEG_INF)
-    top1 = cand & (j == jnp.argmax(c, axis=-1)[:, None]) & ~refining
-    ok = pconf >= threshold
+
+    def best_of(ok_):  # [b, G] the most confident position among ok_ (first on ties)
+        c_ = jnp.where(ok_, pconf, ops.NEG_INF)
+        return ok_ & (j == jnp.argmax(c_, axis=-1)[:, None])
+
+    rcand = masked & has & jnp.any(member_r, axis=-1)  # [b, G]
+    # The window's rules; with a progress rule other than wait, the refine lanes' too
+    # (anchors in either serve both), as if the window still covered them.
+    shared = progress != "wait"
+    pool = (cand | rcand) if shared else cand
+    top1 = best_of(cand) & ~refining
+    sure = pconf >= threshold
+    ok = sure
     if relaxed_threshold < threshold:  # LocalLeap's anchors (no-op when not below)
-        by_anchor = ops.near_anchor(cand & ok, radius)
+        by_anchor = ops.near_anchor(pool & sure, radius)
         ok = ok | (by_anchor & (pconf >= relaxed_threshold))
     if lookahead:  # a prediction that repeats its draft is trusted at a lower bar
         ok = ok | ((lanes.draft == pred) & (pconf >= min(draft_threshold, threshold)))
     commit = (cand & ok) | top1
 
-    rcand = masked & has & jnp.any(member_r, axis=-1)  # [b, G]
     lane_best = jnp.max(jnp.where(member_r & rcand[..., None], pconf[..., None], ops.NEG_INF),
                         axis=1)  # [b, M]
     over = (lanes.steps[:, None] - lanes.split) >= refine_budget  # [b, M]
     is_best = jnp.any(member_r & over[:, None, :]
                       & (pconf[..., None] >= lane_best[:, None, :]), axis=-1)  # [b, G]
-    commit = commit | (rcand & ((pconf >= threshold) | is_best))
+    commit = commit | (rcand & ((ok if shared else sure) | is_best))
+    if progress != "wait":  # never an iteration without a commit while refining
+        if progress == "best":
+            forced = best_of(cand | rcand)
+        else:
+            has_r = jnp.any(rcand, axis=-1, keepdims=True)
+            forced = jnp.where(has_r, best_of(rcand), best_of(cand))
+        commit = commit | (refining & forced)
     new = jnp.where(commit, pred, gen)
 
     draft = lanes.draft
@@ -484,6 +519,11 @@ class AsyncLaneSchedule(Schedule):
       stable_fraction: least committed fraction of a prefix when it forks.
       refine_budget: iterations a refine lane commits by threshold only; after that
         it also commits its most confident position every iteration.
+      progress: what commits in an iteration in which nothing passes its threshold
+        while a refine lane holds a mask (the window then never forces its best):
+        refine-first (the most confident refine-lane position, else the window's),
+        best (the most confident of the refine lanes and the window together), or
+        wait (nothing: the iteration may commit nothing).
       extra_queries: E, query slots per call for dirty positions and refine lanes.
       horizon: generated positions visible beyond the window's end (0: the whole
         canvas, always). The first call is a cached call over the prompt and the first
@@ -515,6 +555,7 @@ class AsyncLaneSchedule(Schedule):
     refine_window: int = 4
     stable_fraction: float = 0.5
     refine_budget: int = 4
+    progress: str = "refine-first"
     extra_queries: int = 4
     horizon: int = 96
     refresh_every: int = 0
@@ -537,6 +578,9 @@ class AsyncLaneSchedule(Schedule):
                 raise SamplerError(f"{n}: {field}={getattr(self, field)} must be >= {low}")
         if not 0 <= self.stable_fraction <= 1:
             raise SamplerError(f"{n}: stable_fraction={self.stable_fraction} must be in [0, 1]")
+        if self.progress not in PROGRESS_RULES:
+            raise SamplerError(f"{n}: progress={self.progress!r}: expected one of "
+                               f"{', '.join(PROGRESS_RULES)}")
         if self.cache not in ("dual", "none"):
             raise SamplerError(f"{n}: cache={self.cache!r}: expected dual or none")
         if self.max_lanes > 1 and self.extra_queries == 0:
@@ -610,7 +654,7 @@ class AsyncLaneSchedule(Schedule):
             extend=jnp.zeros((b,), bool),
             need_full=jnp.full((b,), self._first_visible(G) == G),
             since_full=zeros, steps=zeros, forks=zeros,
-            peak=jnp.ones((b,), jnp.int32), refreshes=zeros, cuts=zeros)
+            peak=jnp.ones((b,), jnp.int32), refreshes=zeros, cuts=zeros, idle=zeros)
 
     # -- helpers ----------------------------------------------------------------------
     def _first_visible(self, G: int) -> int:
@@ -697,8 +741,10 @@ class AsyncLaneSchedule(Schedule):
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
             block_length=B, threshold=self.threshold, relaxed_threshold=self.relaxed_threshold,
             radius=self.radius, lookahead=self.lookahead, draft_threshold=self.draft_threshold,
-            refine_budget=self.refine_budget)
+            refine_budget=self.refine_budget, progress=self.progress)
         new, lanes = cascade_phase(ctx, new, lanes, cascade=self.cascade)
+        committed = jnp.any((gen == ctx.mask_id) & (new != ctx.mask_id), axis=-1)
+        lanes = lanes.replace(idle=(lanes.idle + (out.serve & ~committed)).astype(jnp.int32))
         frontier = text_frontier(lanes.eos, G, self.cascade)
         lanes = retire_phase(ctx, new, lanes)
         lanes, fork = fork_phase(
@@ -721,4 +767,4 @@ class AsyncLaneSchedule(Schedule):
                 "lane_parent": st.parent, "lane_birth": st.birth, "lane_death": st.death,
                 "lane_split": st.split,
                 "forks": st.forks, "peak_lanes": st.peak, "refreshes": st.refreshes,
-                "cascade_cuts": st.cuts}
+                "cascade_cuts": st.cuts, "idle_steps": st.idle}

@@ -34,7 +34,8 @@ class LaneStats(DecodeStats):
         became a refine lane (-1: never).
       forks: [b] forks per row; peak_lanes: [b] most lanes active at once;
       refreshes: [b] full forwards that served the row;
-      cascade_cuts: [b] lanes terminated or cut by an end-of-text.
+      cascade_cuts: [b] lanes terminated or cut by an end-of-text;
+      idle_steps: [b] iterations that served the row and committed no position.
     """
 
     lane_kind: np.ndarray = None
@@ -48,6 +49,7 @@ class LaneStats(DecodeStats):
     peak_lanes: np.ndarray = None
     refreshes: np.ndarray = None
     cascade_cuts: np.ndarray = None
+    idle_steps: np.ndarray = None
 
     def lane_tree(self, row: int = 0) -> list[dict]:
         """The lanes of one row in slot order (free slots left out): dicts with slot,
