@@ -283,8 +283,10 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
     from asynclane_jax.decoding.api import generate
     from asynclane_jax.testbed import evaluate, tasks
 
-    if n <= 0:
-        raise UsageError(f"--n {n}: must be a positive number of problems")
+    try:
+        evaluate.check_n(n)
+    except ValueError as e:
+        raise UsageError(f"--n {n}: {e}") from None
     if batch <= 0:
         raise UsageError(f"--batch {batch}: must be a positive number of prompts")
     gen_lengths = list(gen_lengths)
@@ -538,19 +540,28 @@ def _cmd_bench(args) -> int:
     else:
         specs = [s.strip() for s in args.samplers.split(",") if s.strip()]
     gen_lengths = args.gen_lengths or list(DEFAULT_GEN_LENGTHS)
-    if args.n <= 0:
-        raise UsageError(f"--n {args.n}: must be a positive number of problems")
+    from asynclane_jax.testbed.evaluate import check_n
+
+    try:
+        check_n(args.n)
+    except ValueError as e:
+        raise UsageError(f"--n {args.n}: {e}") from None
     if args.batch <= 0:
         raise UsageError(f"--batch {args.batch}: must be a positive number of prompts")
     validate(specs, gen_lengths)  # before the model loads
+    from asynclane_jax.testbed import tasks
+
+    if args.tasks is not None:
+        try:
+            tasks.families_of(args.tasks)
+        except ValueError as e:
+            raise UsageError(f"--tasks: {e}") from None
     if args.plot:
         _require_matplotlib("--plot")
     model_name = args.model
     model, tokenizer, _ = asynclane_jax.load(model_name, quantize=args.quantize)
     meta = bench_meta(str(model_name), args.n, args.batch, specs, gen_lengths)
     meta["quantize"] = args.quantize
-    from asynclane_jax.testbed import tasks
-
     task_set = args.tasks or tasks.model_task_set(model_name)
     meta["task_set"] = task_set
 
@@ -580,7 +591,7 @@ def register(sub) -> None:
     p.add_argument("--gen-lengths", type=_int_list, default=None,
                    help="comma-separated generation lengths (default 128,256,512)")
     p.add_argument("--n", type=int, default=50, help="held-out problems (default 50)")
-    p.add_argument("--tasks", default=None, choices=["v1", "v2"],
+    p.add_argument("--tasks", default=None, metavar="v1|v2",
                    help="testbed task set of the problems (default: the one the model "
                         "was trained on, v1 when it records none)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")

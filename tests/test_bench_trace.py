@@ -139,6 +139,8 @@ def test_cli_bench_json_and_plot(tmp_path, capsys):
     (["--samplers", "fast-dllm:bogus=1"], "unknown option(s) ['bogus']"),
     (["--samplers", "vanilla", "--gen-lengths", "600"], "do not fit the model"),
     (["--samplers", "vanilla", "--n", "0"], "--n 0"),
+    (["--samplers", "vanilla", "--n", "2001"], "the heldout split has 2000 problems"),
+    (["--samplers", "vanilla", "--tasks", "v9"], "task set 'v9': expected one of v1, v2"),
 ])
 def test_cli_bench_bad_request_one_line(capsys, argv, needle):
     rc = main(["bench", "--model", "tiny-llada", "--quiet", *argv])
