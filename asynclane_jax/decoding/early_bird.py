@@ -142,9 +142,9 @@ def lps_commit(block_masked, conf, p_psi, *, threshold: float, tau_psi: float):
     return commit | (none & top1)
 
 
-def _same_architecture(a, b) -> bool:
-    return dataclasses.replace(a, dtype="float32", param_dtype="float32") == \
-        dataclasses.replace(b, dtype="float32", param_dtype="float32")
+def _same_architecture(a, b) -> bool:  # dtypes and the layer layout aside
+    same = dict(dtype="float32", param_dtype="float32", scan_layers=False)
+    return dataclasses.replace(a, **same) == dataclasses.replace(b, **same)
 
 
 def default_router_folder(cfg) -> pathlib.Path:
