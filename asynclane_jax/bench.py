@@ -559,7 +559,8 @@ def _cmd_bench(args) -> int:
     if args.plot:
         _require_matplotlib("--plot")
     model_name = args.model
-    model, tokenizer, _ = asynclane_jax.load(model_name, quantize=args.quantize)
+    model, tokenizer, _ = asynclane_jax.load(model_name, quantize=args.quantize,
+                                              scan_layers=args.scan_layers)
     meta = bench_meta(str(model_name), args.n, args.batch, specs, gen_lengths)
     meta["quantize"] = args.quantize
     task_set = args.tasks or tasks.model_task_set(model_name)
@@ -603,6 +604,9 @@ def register(sub) -> None:
     from asynclane_jax.models.quantize import add_flag
 
     add_flag(p)
+    from asynclane_jax.generate_cli import add_scan_flag
+
+    add_scan_flag(p)
     p.set_defaults(func=_cmd_bench)
 
 

@@ -49,6 +49,17 @@ def sampler_help(width: int | None = None) -> str:
     return "\n".join(out)
 
 
+def add_scan_flag(p) -> None:
+    """`--scan-layers` / `--no-scan-layers`: the layer layout the model is loaded into
+    (`ModelConfig.scan_layers`); default the folder's."""
+    import argparse
+
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the layers as one scan over stacked parameters (fewer, smaller "
+                        "compiled programs; --no-scan-layers: unrolled; default: the "
+                        "folder's layout)")
+
+
 def _add_sampler_args(p) -> None:
     from asynclane_jax.decoding.registry import DEFAULT_SAMPLER, option_fields, samplers
 
@@ -65,6 +76,7 @@ def _add_sampler_args(p) -> None:
     from asynclane_jax.models.quantize import add_flag
 
     add_flag(p)
+    add_scan_flag(p)
     # Each option name is one flag whatever samplers have it; its text is read by the
     # chosen sampler's own field type (registry.convert_option), so two samplers may give
     # one name different types. The help lists each sampler's options in its own section.
@@ -139,7 +151,8 @@ def _cmd_generate(args) -> int:
             raise UsageError("--trace needs matplotlib: pip install 'asynclane-jax[plots]'") \
                 from None
     model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh,
-                                               quantize=args.quantize)
+                                               quantize=args.quantize,
+                                               scan_layers=args.scan_layers)
     if tokenizer is None:
         raise UsageError(f"model {args.model} has no tokenizer; use the Python API with "
                          "token ids")
@@ -193,7 +206,8 @@ def _cmd_eval(args) -> int:
     gen_length = _gen_length(args, 256)
     sampler, opts = _sampler_and_options(args)
     model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh,
-                                               quantize=args.quantize)
+                                               quantize=args.quantize,
+                                               scan_layers=args.scan_layers)
     result = evaluate(model, tokenizer, sampler=sampler, gen_length=gen_length, n=args.n,
                       progress=not args.quiet, **opts)
     result["quantize"] = args.quantize

@@ -31,6 +31,18 @@ def test_generate_json(model_dir, capsys):
     assert isinstance(out["text"], str)
 
 
+def test_generate_scan_layers_gives_the_same_tokens(model_dir, capsys):
+    argv = ["generate", "ann has 7 coins .", "--model", str(model_dir), "--chat",
+            "--sampler", "fast-dllm", "--cache", "dual", "--gen-length", "16",
+            "--block-length", "8", "--json"]
+    outs = []
+    for extra in ([], ["--scan-layers"]):
+        assert main(argv + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["tokens"] == outs[1]["tokens"]
+    assert outs[0]["stats"]["steps"] == outs[1]["stats"]["steps"]
+
+
 def test_generate_plain_text(model_dir, capsys):
     rc = main(["generate", "ann has 7 coins .", "--model", str(model_dir), "--sampler",
                "vanilla", "--gen-length", "16", "--block-length", "8", "--steps", "8"])

@@ -293,10 +293,12 @@ def run(args) -> int:
                                 ("mc_samples", args.mc_samples)) if v is not None}
     name = args.model or DEFAULT_MODEL
     model, tokenizer = name, None
-    if args.quantize != "none":  # loaded here, quantized as it is read
+    if args.quantize != "none" or args.scan_layers is not None:
+        # loaded here: quantized as it is read, or into the layout asked for
         import asynclane_jax
 
-        model, tokenizer, _ = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize)
+        model, tokenizer, _ = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize,
+                                                 scan_layers=args.scan_layers)
         if tokenizer is None:
             raise UsageError(f"model {name} has no tokenizer; lm-eval needs one")
     lm = AsyncLaneLM(model=model, tokenizer=tokenizer, sampler=sampler, gen_length=gen_length,

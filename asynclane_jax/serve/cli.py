@@ -156,7 +156,8 @@ def run(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("asynclane_jax.serve").setLevel(args.log_level.upper())
     name = args.model or DEFAULT_MODEL
-    model, tokenizer, _ = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize)
+    model, tokenizer, _ = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize,
+                                             scan_layers=args.scan_layers)
     if tokenizer is None:
         raise UsageError(f"model {name} has no tokenizer: the server needs one")
     try:
