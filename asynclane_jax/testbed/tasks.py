@@ -157,32 +157,27 @@ def _long_line(rng: random.Random, i: int, value: int, sign: str, c: int) -> str
             f"{rng.choice(CONSEQUENCES)} {new}")
 
 
-def make_chain(rng: random.Random, n_steps: int | None = None) -> Problem:
+def _make_long(family: str, rng: random.Random, n_steps: int | None = None) -> Problem:
+    """chain or list: one surface form; only where a line's starting value comes from
+    differs (the previous line's result, or its own statement in the prompt)."""
+    chained = family == "chain"
     n = n_steps or rng.randint(*LONG_STEPS)
-    value = rng.randint(0, MAX_VALUE)
-    prompt, lines = [f"start {value} :"], []
+    value = rng.randint(0, MAX_VALUE) if chained else 0
+    prompt, lines = [f"start {value} :" if chained else "solve each :"], []
     for i in range(1, n + 1):
+        if not chained:
+            value = rng.randint(0, MAX_VALUE)
         sign, c = _step(rng, value)
-        prompt.append(f"{label(i)} {sign} {c}")
+        prompt.append(f"{label(i)} {sign} {c}" if chained else f"{label(i)} {value} {sign} {c}")
         lines.append(_long_line(rng, i, value, sign, c))
         value = _apply(value, sign, c)
-    prompt.append(". end ?")
+    prompt.append(". end ?" if chained else ".")
     lines.append(f"answer : {value}")
-    return Problem("chain", " ".join(prompt), " \n ".join(lines), value)
+    return Problem(family, " ".join(prompt), " \n ".join(lines), value)
 
 
-def make_list(rng: random.Random, n_steps: int | None = None) -> Problem:
-    n = n_steps or rng.randint(*LONG_STEPS)
-    prompt, lines, last = ["solve each :"], [], 0
-    for i in range(1, n + 1):
-        value = rng.randint(0, MAX_VALUE)
-        sign, c = _step(rng, value)
-        prompt.append(f"{label(i)} {value} {sign} {c}")
-        lines.append(_long_line(rng, i, value, sign, c))
-        last = _apply(value, sign, c)
-    prompt.append(".")
-    lines.append(f"answer : {last}")
-    return Problem("list", " ".join(prompt), " \n ".join(lines), last)
+make_chain = functools.partial(_make_long, "chain")
+make_list = functools.partial(_make_long, "list")
 
 
 MAKERS = {"math": make_math, "code": make_code, "chain": make_chain, "list": make_list}
