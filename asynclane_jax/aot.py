@@ -23,7 +23,6 @@ entry points in pyproject.toml).
 from __future__ import annotations
 
 import argparse
-
 import dataclasses
 import importlib.util
 import json

@@ -518,8 +518,7 @@ def relayout_params(params: dict, n_layers: int, target: dict) -> dict:
     `target` (ShapeDtypeStructs with shardings, as `load_model` builds), each result
     placed by its target's sharding. Exact; consumes `params`' layers (one layer tensor
     in both layouts at a time)."""
-    from asynclane_jax.models.model import (layer_layout, stack_layer_params,
-                                            unstack_layer_params)
+    from asynclane_jax.models.model import layer_layout, stack_layer_params, unstack_layer_params
 
     want = layer_layout(target)
     if layer_layout(params) == want:

@@ -196,7 +196,8 @@ def cmd_layers_table(args) -> None:
                   f"| {_coll(r['collectives'])} | `{r['command']}` |")
         if all(pair):
             u, s = pair
-            q = lambda k: "–" if not u[k] or s[k] is None else f"{s[k] / u[k]:.2f}"
+            def q(k, u=u, s=s):
+                return "–" if not u[k] or s[k] is None else f"{s[k] / u[k]:.2f}"
             ratios.append(f"| {case['topology']} | {case['model']} | {case['sampler']} | "
                           f"{case['batch']} | {q('compile_s')} | {q('code_bytes')} | "
                           f"{q('temp_bytes')} | {q('peak_bytes')} |")

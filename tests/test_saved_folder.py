@@ -26,6 +26,6 @@ def test_saved_folder_holds_no_machine_path(tmp_path):
 
 
 def test_shipped_folders_hold_no_machine_path():
-    for name, folder in checkpoint.shipped_registry().items():
+    for folder in checkpoint.shipped_registry().values():
         for f in _files(folder):
             assert b"successful to /" not in f.read_bytes(), f

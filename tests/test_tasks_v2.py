@@ -10,9 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from asynclane_jax.testbed import tasks
+from asynclane_jax.testbed import tasks, train
 from asynclane_jax.testbed import tokenizer as tok
-from asynclane_jax.testbed import train
 from asynclane_jax.testbed.words import CONNECTIVES, CONSEQUENCES
 
 MODELS = pathlib.Path(tasks.__file__).parent / "models"

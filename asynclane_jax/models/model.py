@@ -496,8 +496,8 @@ class DiffusionLM(nnx.Module):
         The layer stack (`cfg.scan_layers`): False, a Python loop, unrolled in the
         compiled program (one copy of every layer per call); True, one `jax.lax.scan`
         over the stacked Block carrying (x, cache), with the layer index traced (one
-        layer body per call; see `_scan`). Same arithmetic in both; measured in experiments/layer_stack.py
-        and experiments/memory_8b.py (results/memory-8b.md).
+        layer body per call; see `_scan`). Same arithmetic in both; measured in
+        experiments/layer_stack.py and experiments/memory_8b.py (results/memory-8b.md).
 
         Args:
           tokens: [b, Q] token ids.

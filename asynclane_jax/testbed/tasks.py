@@ -58,8 +58,16 @@ import functools
 import random
 
 from asynclane_jax.testbed import tokenizer
-from asynclane_jax.testbed.words import (CONNECTIVES, CONSEQUENCES, GAIN_VERBS, ITEMS,
-                                         LOSS_VERBS, NAMES, VARIABLES, label)
+from asynclane_jax.testbed.words import (
+    CONNECTIVES,
+    CONSEQUENCES,
+    GAIN_VERBS,
+    ITEMS,
+    LOSS_VERBS,
+    NAMES,
+    VARIABLES,
+    label,
+)
 
 TASK_SETS = {"v1": ("math", "code"), "v2": ("math", "code", "chain", "list")}
 DEFAULT_TASK_SET = "v1"  # what the first shipped models (tiny-llada, tiny-dream) know
