@@ -99,8 +99,18 @@ def test_lanes_fork_and_cascade_on_the_shipped_model(shipped_llada):
     assert np.all(st_.peak_lanes >= 2)
     # Every answer ends well before 96 tokens; the cascade filled the rest.
     assert all(int(row[64]) in cfg.stop_token_ids for row in res.tokens)
-    # No full forward for each block: one per row (block decoding makes three).
-    assert np.all(st_.refreshes == 1) and np.all(st_.row_nfe_full == 1)
+    # A full forward to start, and (refresh_at_fork, the default) one right after every
+    # fork that a call follows.
+    followed = [int(np.sum((st_.lane_split[r] >= 0)
+                           & (st_.lane_split[r] < st_.row_steps[r] - 1)))
+                for r in range(len(prompts))]
+    assert np.all(st_.refreshes >= 1 + np.asarray(followed)), (st_.refreshes, followed)
+    np.testing.assert_array_equal(st_.row_nfe_full, st_.refreshes)
+    # Without it, no full forward for each block: one per row (block decoding makes three).
+    stale = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer,
+                     refresh_at_fork=False, **FORKING).stats
+    assert np.all(stale.forks >= 1)
+    assert np.all(stale.refreshes == 1) and np.all(stale.row_nfe_full == 1)
     # The text is the model's: most answers right.
     assert sum(evaluate.check(p, row) for p, row in zip(problems, res.tokens)) >= 3
     # The lane tree comes with the statistics.

@@ -24,7 +24,7 @@ from test_asynclane import check_invariants
 
 from asynclane_jax.decoding import driver, generate
 from asynclane_jax.decoding.asynclane import AsyncLaneSchedule
-from asynclane_jax.decoding.lanes import DONE, TERMINATED
+from asynclane_jax.decoding.lanes import DONE, REFINE, TERMINATED
 from asynclane_jax.decoding.schedule import CallOutput, Context
 
 DEFAULT_PROGRESS = AsyncLaneSchedule(gen_length=8).progress
@@ -53,9 +53,12 @@ def unsure_lines_table(G: int, B: int, eos_at: int | None = None, unsure=None):
     return logits
 
 
-def drive(schedule: AsyncLaneSchedule, table):
+def drive(schedule: AsyncLaneSchedule, table, calls=None):
     """Runs the schedule by hand (batch 1, no logit shift), every call answered from
     `table` whatever it queries.
+
+    `calls`, when given, is a list that gets one (full forward, LaneState before the
+    call, generated tokens before the call) triple per iteration.
 
     Returns:
       (generated tokens [G], commit step [G] (the iteration that committed each
@@ -79,6 +82,8 @@ def drive(schedule: AsyncLaneSchedule, table):
         out = CallOutput(logits=by_column[jnp.minimum(p.positions, T - 1)],
                          targets=p.positions, serve=p.serve & live, full=p.full)
         before = np.asarray(canvas[0, P:])
+        if calls is not None:
+            calls.append((bool(p.full), state, before))
         canvas, state = update(canvas, state, out)
         now = np.asarray(canvas[0, P:])
         step[(before == MASK) & (now != MASK)] = it
@@ -140,6 +145,51 @@ def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations
     assert all(k == DONE for k, *_ in lanes)
     assert spans[0][0] == 0 and spans[-1][1] == 64
     assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+
+
+def test_refresh_or_requery_at_fork_re_encodes_the_prefix_a_fork_leaves_behind():
+    # One extra query slot: it goes to the refine lane's unsure mask, so without a
+    # refresh the prefix's committed positions keep the K/V computed from the mask.
+    table = unsure_lines_table(64, 8)
+    case = {**CASE, "extra_queries": 1}
+    j = np.arange(64)
+
+    def run(**kw):
+        calls = []
+        tokens, _, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **case, **kw),
+                                        table, calls)
+        stale, after_fork = 0, []
+        for t, (full, st, gen) in enumerate(calls):
+            if t and int(st.forks[0]) > int(calls[t - 1][1].forks[0]):
+                after_fork.append(full)  # the call right after a fork
+            refine = np.zeros(64, bool)
+            for k, lo, hi in zip(*(np.asarray(x[0]) for x in (st.kind, st.start, st.end))):
+                refine |= (k == REFINE) & (j >= lo) & (j < hi)
+            # Committed positions of a refine lane whose K/V came from the mask and that
+            # the call did not re-encode (still not fresh after it; a committed token
+            # never changes, and a full forward re-encodes everything).
+            after = (calls[t + 1][1] if t + 1 < len(calls) else state).fresh[0]
+            stale += int(np.sum(refine & (gen != MASK) & ~np.asarray(st.fresh[0])
+                                & ~np.asarray(after)))
+        return tokens, iters, state, stale, after_fork
+
+    want = np.argmax(table, axis=-1)
+    tokens, iters, state, stale_off, after_off = run(refresh_at_fork=False)
+    assert int(state.forks[0]) >= 6 and not any(after_off)
+    tokens_r, iters_r, state_r, stale_on, after_on = run()  # the default: on
+    np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(tokens_r, want)
+    assert len(after_on) >= 6 and all(after_on)  # every fork is followed by a full forward
+    assert int(state_r.refreshes[0]) >= len(after_on)
+    assert iters_r == iters  # the refresh's logits decode its step: no extra iteration
+    assert stale_off >= 6 and stale_on == 0, (stale_off, stale_on)
+    # requery_at_fork instead: no full forward; the call after a fork queries the window
+    # forked from, a cached call that re-encodes the prefix.
+    tokens_q, _, state_q, stale_q, after_q = run(refresh_at_fork=False, requery_at_fork=True)
+    np.testing.assert_array_equal(tokens_q, want)
+    assert len(after_q) >= 6 and not any(after_q)
+    assert int(state_q.refreshes[0]) == int(state.refreshes[0])  # no refresh added
+    assert stale_q < stale_off, (stale_q, stale_off)
 
 
 def test_the_old_wait_rule_idles_where_the_default_does_not():

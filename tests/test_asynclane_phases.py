@@ -42,7 +42,7 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
     b, M = kind.shape
     row = jnp.zeros((b,), jnp.int32)
     slot = jnp.full((b, M), -1, jnp.int32)
-    base = dict(win=row, gen_slot=row, kind=kind, start=jnp.asarray(start, jnp.int32),
+    base = dict(win=row, qwin=row, gen_slot=row, kind=kind, start=jnp.asarray(start, jnp.int32),
                 end=jnp.asarray(end, jnp.int32), parent=slot, birth=slot, death=slot,
                 split=slot, fresh=jnp.zeros((b, G), bool), draft=jnp.full((b, G), -1, jnp.int32),
                 eos=row + G, visible=row + G, extend=jnp.zeros((b,), bool),
@@ -50,6 +50,8 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
                 peak=row + 1, refreshes=row, cuts=row, idle=row)
     for k, v in fields.items():
         base[k] = jnp.broadcast_to(jnp.asarray(v, base[k].dtype), base[k].shape)
+    if "win" in fields and "qwin" not in fields:  # the window queries where it is
+        base["qwin"] = base["win"]
     return LaneState(**base)
 
 
@@ -474,6 +476,14 @@ def test_refresh_decides_the_next_full_forward():
     eq(out.need_full, [False])
     eq(out.since_full, [2])
     eq(out.refreshes, [1])
+    # refresh_at_fork: a row that forked (its window jumped past the prefix it left
+    # behind) gets a full forward next, with the setting on and only then.
+    kw = {**REFRESH, "refresh_at_fork": True}
+    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=yes, **kw).need_full, [True])
+    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=no, **kw).need_full, [False])
+    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=yes,
+                     **REFRESH).need_full, [False])
+    eq(refresh_phase(ctx, gen, gen, st, unserved, no, no, fork=yes, **kw).need_full, [False])
 
 
 def test_refresh_extends_the_view_near_the_horizon():

@@ -22,15 +22,18 @@ calls read and attend only that part of the cache (`Schedule.key_bound`).
 
 One iteration (per row):
   1. Query set (shared-prefix lane batching). One cached call queries, against the K/V
-     of the visible canvas: the generate window (B), a lookahead window after it (W),
+     of the visible canvas: the generate window (B; right after a fork, with
+     `requery_at_fork`, the window forked from), a lookahead window after it (W),
      and `extra_queries` (E) positions picked by priority: first the refine lanes'
      masked positions, earliest first, then *dirty* positions (committed since their
      cached K/V was computed: re-encoding them is the compact cache refresh).
   2. Full refresh. A full forward serves a row when its window nears the horizon (it
      then shows the whole canvas), every `refresh_every`-th call when that is set, and,
      with `refresh_at_advance` (the default), after the window moves to a new block, as
-     Fast-dLLM's dual cache does; under the horizon these re-encode only the visible
-     part. With horizon 0 the row's first call is one too. Its logits decode that
+     Fast-dLLM's dual cache does, and with `refresh_at_fork` (the default), after a
+     fork (the prefix the window leaves behind was committed while its K/V came from
+     the mask, and only the refine lanes' masks are queried there afterwards); under
+     the horizon these re-encode only the visible part. With horizon 0 the row's first call is one too. Its logits decode that
      step. Rows that need no refresh wait for one iteration while a full forward serves
      the rows that do (so each row decodes exactly as it would alone).
   3. Commit. Window: every masked position with confidence >= threshold; within
@@ -55,7 +58,10 @@ models (experiments/results/asynclane.md): one lane (max_lanes=1: on the testbed
 chained arithmetic every line needs the previous line's result, and forking cost calls
 and accuracy), no lookahead, the visible horizon, the cascade, compact refresh, and a
 refresh of the visible part when the window moves to a new block (without it tiny-dream
-lost 4 points). Set max_lanes (e.g. 16) to fork at delimiters.
+lost 4 points) or forks (without it forking lost 16 to 29 points: the forked prefix was
+read through stale K/V). Set max_lanes (e.g. 16) to fork at delimiters: with the
+refresh at each fork it is as accurate as one lane and takes fewer iterations, but the
+full forwards make it slower in tokens/s on the shipped models.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
@@ -86,6 +92,9 @@ class LaneState:
     """AsyncLane's part of the loop carry ([b] and [b, M] lane slots, [b, G] columns)."""
 
     win: jax.Array  # [b] generate window start (generated index)
+    # [b] start of the B positions the next call queries for the window: win, except
+    # right after a fork with requery_at_fork, when it is the window forked from.
+    qwin: jax.Array
     gen_slot: jax.Array  # [b] slot of the generate lane
     kind: jax.Array  # [b, M] lane kind codes (lanes.LANE_KINDS)
     start: jax.Array  # [b, M] span start (generated index)
@@ -438,7 +447,8 @@ def advance_phase(ctx: Context, new, lanes: LaneState, frontier, serve, fork, *,
 
 def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
                   gen_done, *, block_length: int, refresh_every: int,
-                  refresh_at_advance: bool, horizon: int, tail_hidden: bool) -> LaneState:
+                  refresh_at_advance: bool, horizon: int, tail_hidden: bool,
+                  fork=None, refresh_at_fork: bool = False) -> LaneState:
     """Cache bookkeeping: which cached K/V are current, and whether the next call of a
     row must be a full forward.
 
@@ -448,8 +458,10 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
     counts a refresh and, for a row it extended, makes the whole canvas visible. The
     next call of a served row is a full forward when since_full reaches refresh_every
     (if set), when the window moved on without finishing the generate lane (with
-    refresh_at_advance), or when the window nears the visible end (win + B +
-    horizon // 2 > visible; only with tail_hidden): that call also extends the view.
+    refresh_at_advance), when the row forked (with refresh_at_fork: the prefix left
+    behind was committed while its cached K/V came from the mask, and the window's
+    queries no longer re-encode it), or when the window nears the visible end (win + B
+    + horizon // 2 > visible; only with tail_hidden): that call also extends the view.
 
     Args:
       ctx: the canvas facts (P, G, T, shift).
@@ -461,6 +473,8 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
       advance, gen_done: [b] bool from `advance_phase`.
       block_length, refresh_every, refresh_at_advance, horizon: the schedule's settings.
       tail_hidden: the first call hid part of the canvas (the visible horizon is in use).
+      fork: [b] bool from `fork_phase` (None: no row forked).
+      refresh_at_fork: the schedule's setting.
     Returns:
       lanes with fresh [b, G] and since_full, need_full, visible, extend, refreshes [b]
       updated.
@@ -480,6 +494,8 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
         need = need | (since >= refresh_every)
     if refresh_at_advance:  # Fast-dLLM's dual cache re-encodes at each new block
         need = need | (advance & ~gen_done)
+    if refresh_at_fork and fork is not None:  # the prefix left behind is re-encoded
+        need = need | fork
     shown = full & lanes.extend
     visible = jnp.where(shown, G, lanes.visible)
     extend = lanes.extend & ~shown
@@ -536,6 +552,13 @@ class AsyncLaneSchedule(Schedule):
       refresh_at_advance: a full forward whenever the window moves to a new block
         (Fast-dLLM's dual-cache schedule); under the horizon it re-encodes only the
         visible part.
+      refresh_at_fork: a full forward right after a fork (as refresh_at_advance does
+        after an advance): the forked prefix's committed positions get K/V computed
+        from their tokens; under the horizon it re-encodes only the visible part.
+      requery_at_fork: the compact alternative: the call right after a fork queries
+        the B positions of the window it forked from (the prefix and the start of the
+        new window) instead of the new window, so a cached call re-encodes the prefix;
+        the rest of the new window waits one call for its predictions.
       cascade: cascading termination at the first committed end-of-text.
       cache: dual (cached calls between full forwards) or none (every call a full
         forward).
@@ -560,6 +583,8 @@ class AsyncLaneSchedule(Schedule):
     horizon: int = 96
     refresh_every: int = 0
     refresh_at_advance: bool = True
+    refresh_at_fork: bool = True
+    requery_at_fork: bool = False
     cascade: bool = True
     cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -638,7 +663,7 @@ class AsyncLaneSchedule(Schedule):
         zeros = jnp.zeros((b,), jnp.int32)
         first = slots == 0
         return LaneState(
-            win=zeros, gen_slot=zeros,
+            win=zeros, qwin=zeros, gen_slot=zeros,
             kind=jnp.broadcast_to(jnp.where(first, GENERATE, FREE), (b, M)).astype(jnp.int32),
             start=jnp.zeros((b, M), jnp.int32),
             end=jnp.broadcast_to(jnp.where(first, min(self.block_length, G), 0),
@@ -668,9 +693,9 @@ class AsyncLaneSchedule(Schedule):
         queries encode (a target c is queried at c - shift)."""
         B, W = self.block_length, self.lookahead
         j = jnp.arange(G)[None, :]
-        win_lo, la_hi = st.win[:, None], st.win[:, None] + B + W
+        win_lo, la_lo = st.qwin[:, None], st.win[:, None] + B
         win_enc = (j >= win_lo - shift) & (j < win_lo + B - shift)
-        la_enc = (j >= win_lo + B - shift) & (j < la_hi - shift)
+        la_enc = (j >= la_lo - shift) & (j < la_lo + W - shift)
         return win_enc, la_enc
 
     # -- the schedule -----------------------------------------------------------------
@@ -706,13 +731,16 @@ class AsyncLaneSchedule(Schedule):
             t = first[:, None] + jnp.arange(n)[None, :]
             return jnp.where(t < seen, P + t - s, T)
 
-        parts = [targets(st.win, B)]
+        parts = [targets(st.qwin, B)]
         if W:
             parts.append(targets(st.win + B, W))
         if E:
             win_enc, la_enc = self._windows(st, s, G)
             dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc & ~la_enc
-            refine = masked & jnp.any(lane_members(st, G, (REFINE,)), axis=-1)
+            # (A refine target the window's queries already cover is not queried twice:
+            # with requery_at_fork, the call after a fork queries the prefix's window.)
+            in_q = (j >= st.qwin[:, None]) & (j < st.qwin[:, None] + B)
+            refine = masked & jnp.any(lane_members(st, G, (REFINE,)), axis=-1) & ~in_q
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
             score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, ops.NEG_INF))
             top, idx = jax.lax.top_k(score, min(E, G))
@@ -756,8 +784,13 @@ class AsyncLaneSchedule(Schedule):
         lanes = refresh_phase(
             ctx, gen, new, lanes, out, advance, gen_done, block_length=B,
             refresh_every=self.refresh_every, refresh_at_advance=self.refresh_at_advance,
-            horizon=self.horizon, tail_hidden=self._first_visible(G) < G)
-        return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve)
+            horizon=self.horizon, tail_hidden=self._first_visible(G) < G, fork=fork,
+            refresh_at_fork=self.refresh_at_fork)
+        qwin = lanes.win
+        if self.requery_at_fork:  # the next call re-encodes the prefix left behind
+            qwin = jnp.where(out.serve, jnp.where(fork, st.win, lanes.win), st.qwin)
+        return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve,
+                                                        qwin=qwin.astype(jnp.int32))
 
     def done(self, ctx: Context, canvas, st: LaneState):
         return ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=-1)
