@@ -40,11 +40,13 @@ import sys
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+# The run in results/ was made while refresh_at_fork defaulted to off; the variants
+# without the refresh name it, so that this default list reproduces it.
 DEFAULT_VARIANTS = (
     "lanes-off=asynclane:max_lanes=1",
-    "fork=asynclane:max_lanes=16",
-    "fork-eq8=asynclane:max_lanes=16:extra_queries=8",
-    "fork-eq16=asynclane:max_lanes=16:extra_queries=16",
+    "fork=asynclane:max_lanes=16:refresh_at_fork=false",
+    "fork-eq8=asynclane:max_lanes=16:extra_queries=8:refresh_at_fork=false",
+    "fork-eq16=asynclane:max_lanes=16:extra_queries=16:refresh_at_fork=false",
     "fork-refresh=asynclane:max_lanes=16:refresh_at_fork=true",
     "fork-refresh-eq8=asynclane:max_lanes=16:refresh_at_fork=true:extra_queries=8",
 )
@@ -88,9 +90,8 @@ def main() -> int:
 
     import asynclane_jax
     from asynclane_jax.decoding import driver, generate
-    from asynclane_jax.decoding.api import build_canvas
+    from asynclane_jax.decoding.api import build_canvas, make_schedule
     from asynclane_jax.decoding.lanes import REFINE
-    from asynclane_jax.decoding.api import make_schedule
     from asynclane_jax.testbed import evaluate, tasks
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from asynclane_forking import paired_diff, parse_variant
@@ -239,9 +240,10 @@ def main() -> int:
                "stale_per_problem": {key: v / len(rs) for key, v in stale_tot.items()},
                "stale_calls": float(np.mean([r["stale_calls"] for r in rs])),
                "forks": len(forks) / len(rs),
-               "fork_prefix_masked": float(np.mean([f["masked"] for f in forks])) if forks else None,
-               "fork_prefix_dirty": float(np.mean([f["dirty"] for f in forks])) if forks else None,
-               "fork_prefix_len": float(np.mean([f["prefix"] for f in forks])) if forks else None,
+               **{f"fork_prefix_{key}": (float(np.mean([f[name] for f in forks]))
+                                          if forks else None)
+                  for key, name in (("masked", "masked"), ("dirty", "dirty"),
+                                    ("len", "prefix"))},
                "lost_vs_ref": wrong,
                "first_diff_kind": dict(kinds.most_common()),
                "first_diff_committed_by_refine_lane": in_refine,

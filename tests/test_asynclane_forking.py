@@ -159,17 +159,18 @@ def test_refresh_or_requery_at_fork_re_encodes_the_prefix_a_fork_leaves_behind()
         tokens, _, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **case, **kw),
                                         table, calls)
         stale, after_fork = 0, []
-        for t, (full, st, gen) in enumerate(calls):
-            if t and int(st.forks[0]) > int(calls[t - 1][1].forks[0]):
+        for t, (full, lanes, gen) in enumerate(calls):
+            if t and int(lanes.forks[0]) > int(calls[t - 1][1].forks[0]):
                 after_fork.append(full)  # the call right after a fork
             refine = np.zeros(64, bool)
-            for k, lo, hi in zip(*(np.asarray(x[0]) for x in (st.kind, st.start, st.end))):
+            for k, lo, hi in zip(*(np.asarray(x[0])
+                                   for x in (lanes.kind, lanes.start, lanes.end))):
                 refine |= (k == REFINE) & (j >= lo) & (j < hi)
             # Committed positions of a refine lane whose K/V came from the mask and that
             # the call did not re-encode (still not fresh after it; a committed token
             # never changes, and a full forward re-encodes everything).
             after = (calls[t + 1][1] if t + 1 < len(calls) else state).fresh[0]
-            stale += int(np.sum(refine & (gen != MASK) & ~np.asarray(st.fresh[0])
+            stale += int(np.sum(refine & (gen != MASK) & ~np.asarray(lanes.fresh[0])
                                 & ~np.asarray(after)))
         return tokens, iters, state, stale, after_fork
 

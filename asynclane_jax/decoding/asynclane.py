@@ -33,9 +33,10 @@ One iteration (per row):
      Fast-dLLM's dual cache does, and with `refresh_at_fork` (the default), after a
      fork (the prefix the window leaves behind was committed while its K/V came from
      the mask, and only the refine lanes' masks are queried there afterwards); under
-     the horizon these re-encode only the visible part. With horizon 0 the row's first call is one too. Its logits decode that
-     step. Rows that need no refresh wait for one iteration while a full forward serves
-     the rows that do (so each row decodes exactly as it would alone).
+     the horizon these re-encode only the visible part. With horizon 0 the row's first
+     call is one too. Its logits decode that step. Rows that need no refresh wait for
+     one iteration while a full forward serves the rows that do (so each row decodes
+     exactly as it would alone).
   3. Commit. Window: every masked position with confidence >= threshold; within
      `radius` of such an anchor, >= relaxed_threshold (LocalLeap's rule); lookahead
      draft reuse: a position whose prediction equals the draft made for it while it
