@@ -9,7 +9,15 @@ downloaded), timed.
   4. the int8 variant: the same model's linear layers quantized in place to int8 with
      per-channel scales (asynclane_jax.models.quantize, as `load(..., quantize="int8")`
      gives them), then one more generation with --int8-sampler (AsyncLane): its
-     tokens/s, the weights' GiB, and how many of its tokens equal the bfloat16 run's.
+     tokens/s, the weights' GiB, and how many of its tokens equal the bfloat16 run's;
+  5. before it, the scanned variant: the same random model built in the scanned layer
+     layout (`ModelConfig.scan_layers`: one Block with [L, ...] parameters run by
+     lax.scan; the same weights for the same seed), one more generation with
+     --int8-sampler: its compile seconds, tokens/s and token agreement with the unrolled
+     run. It is built after the bfloat16 samplers and dropped before the int8 variant.
+     A random model's next-token distributions are nearly flat, so bfloat16 rounding
+     differences flip many near-ties: the agreements are read, not pass/fail (the exact
+     checks are the float32 tests).
 
 Each program is compiled first (compile seconds reported apart) and then timed; the
 forwards report the median of 3 runs. Generation tokens/s counts tokens before the
@@ -17,20 +25,21 @@ first end-of-text (`stats.generated_tokens`, as every benchmark here does); a ra
 model may write an end-of-text early, so the canvas rate (gen_length / decode seconds)
 is given too. A time budget (default 420 s) skips the samplers left when it runs out,
 so that the whole check ends within 8 minutes; they are listed as skipped. The int8
-generation is kept --int8-reserve-s (60 s) of that budget: the bfloat16 samplers stop
-starting that much earlier.
+and scanned generations are kept --int8-reserve-s (60 s) each of that budget: the
+bfloat16 samplers stop starting that much earlier.
 
 The last line printed is one JSON object with everything measured.
 
 Usage: experiments/gpu_check.sh [--preset llada-8b-instruct] [--length 1024]
        [--gen-length 512] [--samplers a,b] [--budget-s 420] [--int8-sampler asynclane]
-       [--int8-reserve-s 60] [--no-int8]
+       [--int8-reserve-s 60] [--no-int8] [--no-scanned]
   CPU smoke run: experiments/gpu_check.sh --preset tiny-llada-test --length 64 --gen-length 64
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -63,12 +72,14 @@ def timed(fn, *args, repeats: int = 3) -> tuple[float, float]:
     return first, statistics.median(times)
 
 
-def build_model(preset_name: str, seed: int = 0):
+def build_model(preset_name: str, seed: int = 0, scan_layers: bool = False):
     """The preset's random model in bfloat16, initialised on the default device inside
-    one jitted program (no host copy of the weights)."""
+    one jitted program (no host copy of the weights); scan_layers picks the layout (the
+    same weights either way for one seed)."""
     from asynclane_jax.models import DiffusionLM, preset
 
-    cfg = preset(preset_name).replace(dtype="bfloat16", param_dtype="bfloat16")
+    cfg = preset(preset_name).replace(dtype="bfloat16", param_dtype="bfloat16",
+                                      scan_layers=scan_layers)
 
     @nnx.jit
     def init():
@@ -165,6 +176,37 @@ def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
     return rows, skipped
 
 
+def scanned_check(preset_name: str, sampler: str, gen_length: int, prompt_len: int,
+                  unrolled_tokens) -> dict:
+    """Builds the same random model in the scanned layout and runs one generation with
+    `sampler`; its tokens are compared with the unrolled run's."""
+    from asynclane_jax.decoding import generate
+
+    t0 = time.perf_counter()
+    model, cfg = build_model(preset_name, scan_layers=True)
+    out = {"sampler": sampler, "build_s": round(time.perf_counter() - t0, 1)}
+    rng = np.random.default_rng(1)  # the prompt generation_checks uses
+    prompt = rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
+    opts = sampler_options(sampler, cfg)
+    t0 = time.perf_counter()
+    try:
+        res = generate(model, [prompt], sampler=sampler, gen_length=gen_length, **opts)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+        return out
+    st = res.stats
+    n = int(st.generated_tokens[0])
+    out.update({
+        "options": opts, "gen_length": gen_length, "generated_tokens": n,
+        "decode_s": round(st.decode_time, 3), "compile_s": round(st.compile_time, 1),
+        "tokens_per_s": round(n / st.decode_time, 1) if st.decode_time else None,
+        "model_calls": st.nfe, "wall_s": round(time.perf_counter() - t0, 1)})
+    if unrolled_tokens is not None:
+        out["token_agreement_with_unrolled"] = round(
+            float(np.mean(np.asarray(unrolled_tokens) == res.tokens[0])), 4)
+    return out
+
+
 def int8_check(model, cfg, sampler: str, gen_length: int, prompt_len: int,
                bf16_tokens) -> dict:
     """Quantizes the model's linear layers in place (int8, per-channel scales) and runs
@@ -218,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--int8-reserve-s", type=float, default=60.0,
                     help="seconds of the budget kept for the int8 generation")
     ap.add_argument("--no-int8", action="store_true", help="skip the int8 variant")
+    ap.add_argument("--no-scanned", action="store_true",
+                    help="skip the scanned-layers variant")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -238,12 +282,18 @@ def main(argv=None) -> int:
         samplers = [s.strip() for s in args.samplers.split(",") if s.strip()]
     else:
         samplers = [s for s in registered() if FAMILY_ONLY.get(s, cfg.family) == cfg.family]
-    reserve = 0.0 if args.no_int8 else args.int8_reserve_s
+    reserve = args.int8_reserve_s * ((not args.no_int8) + (not args.no_scanned))
     report["generation"], report["skipped"] = generation_checks(
         model, cfg, samplers, args.gen_length, args.prompt_length,
         deadline=t_start + args.budget_s - reserve, keep_tokens=True)
+    bf16 = report["generation"].get(args.int8_sampler, {}).pop("tokens", None)
+    if not args.no_scanned:
+        log(f"scanned: building the same model with scanned layers, then {args.int8_sampler}")
+        report["scanned"] = scanned_check(args.preset, args.int8_sampler, args.gen_length,
+                                          args.prompt_length, bf16)
+        log(f"scanned: {json.dumps(report['scanned'])}")
+        gc.collect()  # the scanned copy goes before the int8 variant
     if not args.no_int8:
-        bf16 = report["generation"].get(args.int8_sampler, {}).pop("tokens", None)
         log(f"int8: quantizing the linear layers, then {args.int8_sampler}")
         report["int8"] = int8_check(model, cfg, args.int8_sampler, args.gen_length,
                                     args.prompt_length, bf16)
