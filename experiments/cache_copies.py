@@ -24,6 +24,7 @@ import json
 import re
 import sys
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,7 @@ def small_config(layers: int, kv_heads: int, head_dim: int, scan: bool) -> Model
 
 
 def measure(cfg: ModelConfig, sampler: str, options: dict, *, batch: int, prompt: int,
-            gen: int) -> dict:
+            gen: int, topology: str | None = None) -> dict:
     schedule = make_schedule(sampler, gen_length=gen, **options).bind(None, cfg)
     graphdef, params = nnx.split(abstract_model(cfg))
     T = prompt + gen
@@ -64,11 +65,23 @@ def measure(cfg: ModelConfig, sampler: str, options: dict, *, batch: int, prompt
     live = jax.ShapeDtypeStruct((batch,), bool)
     rng = jax.eval_shape(lambda: jax.random.key(0))
     t0 = time.perf_counter()
-    compiled = driver.lower_decode(graphdef, params, canvas, pad, live, rng,
-                                   schedule.operands(), schedule=schedule).compile()
+    if topology:  # the TPU compiler, ahead of time, without a TPU
+        from asynclane_jax import aot
+
+        report = aot.compile_for_topology(cfg, sampler=sampler, options=options,
+                                          gen_length=gen, batch=batch, prompt_len=prompt,
+                                          topology=topology, mesh="tensor", keep_hlo=True)
+        if report.temp_bytes is None:
+            raise SystemExit(f"{topology}: {report.reason}")
+        mem = types.SimpleNamespace(temp_size_in_bytes=report.temp_bytes,
+                                    argument_size_in_bytes=report.argument_bytes)
+        hlo = report.hlo_text
+    else:
+        compiled = driver.lower_decode(graphdef, params, canvas, pad, live, rng,
+                                       schedule.operands(), schedule=schedule).compile()
+        mem = compiled.memory_analysis()
+        hlo = compiled.as_text()
     secs = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
     shape = (cfg.n_layers, batch, T, cfg.n_kv_heads, cfg.head_dim)
     dt = {"bfloat16": "bf16", "float32": "f32"}[cfg.dtype]
     one = f"{dt}[{','.join(map(str, shape))}]"
@@ -84,7 +97,8 @@ def measure(cfg: ModelConfig, sampler: str, options: dict, *, batch: int, prompt
             ops[m.group(1)] += 1
     return dict(sampler=sampler, options=options, layers=cfg.n_layers,
                 kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, scan_layers=cfg.scan_layers,
-                batch=batch, prompt=prompt, gen=gen, cache_bytes=int(cache_bytes),
+                batch=batch, prompt=prompt, gen=gen, topology=topology or "cpu",
+                cache_bytes=int(cache_bytes),
                 temp_bytes=int(mem.temp_size_in_bytes),
                 argument_bytes=int(mem.argument_size_in_bytes),
                 temp_over_cache=round(mem.temp_size_in_bytes / cache_bytes, 2),
@@ -92,19 +106,27 @@ def measure(cfg: ModelConfig, sampler: str, options: dict, *, batch: int, prompt
                 compile_s=round(secs, 1)), hlo
 
 
-def toy() -> list[dict]:
-    shape = (8, 4, 320, 4, 128)
-    one = 4 * 8 * 4 * 320 * 4 * 128
+def toy(topology: str | None = None) -> list[dict]:
+    if topology:  # a bfloat16 array too large for the chip's on-chip memory
+        from asynclane_jax import aot
+
+        shape, dtype = (16, 8, 640, 16, 128), jnp.bfloat16
+        where = jax.sharding.SingleDeviceSharding(aot.tpu_slice(topology).devices[0])
+    else:
+        shape, dtype, where = (8, 4, 320, 4, 128), jnp.float32, None
+    one = jnp.dtype(dtype).itemsize
+    for d in shape:
+        one *= d
 
     def scanned(c, i, x):
         def body(c, layer):
             c = c.at[layer, :, i].set(x[layer])
-            return c, jnp.sum(c[layer])
+            return c, jnp.sum(c[layer, :, :4].astype(jnp.float32))
         c, y = jax.lax.scan(body, c, jnp.arange(shape[0]))
         return c, y.sum()
 
     def scatter(c, i, x):
-        return c.at[:, :, i].set(x), jnp.sum(c[0])
+        return c.at[:, :, i].set(x), jnp.sum(c[0, :, :4].astype(jnp.float32))
 
     variants = {
         "scan, no cond": scanned,
@@ -112,6 +134,11 @@ def toy() -> list[dict]:
             i % 2 == 0, scanned, lambda c, i, x: scanned(c, i + 1, x), c, i, x),
         "scatter in both branches of a cond": lambda c, i, x: jax.lax.cond(
             i % 2 == 0, scatter, lambda c, i, x: scatter(c, i + 1, x), c, i, x),
+        # the driver's replacement for lax.cond: two while_loops of at most one trip
+        "scan in driver.branch": lambda c, i, x: tuple(reversed(driver.branch(
+            i % 2 == 0, lambda c: tuple(reversed(scanned(c, i, x))),
+            lambda c: tuple(reversed(scanned(c, i + 1, x))), c,
+            jnp.zeros((), jnp.float32)))),
     }
     rows = []
     for name, f in variants.items():
@@ -122,11 +149,14 @@ def toy() -> list[dict]:
                 return c, i + 1, t + y
             return jax.lax.while_loop(lambda s: s[1] < 10, body, (c, 0, 0.0))
         compiled = jax.jit(prog, donate_argnums=0).lower(
-            jax.ShapeDtypeStruct(shape, jnp.float32),
-            jax.ShapeDtypeStruct((8, 4, 4, 128), jnp.float32)).compile()
+            jax.ShapeDtypeStruct(shape, dtype, sharding=where),
+            jax.ShapeDtypeStruct(shape[:2] + shape[3:], dtype, sharding=where)).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        rows.append(dict(toy=name, array_bytes=one, temp_bytes=int(temp),
-                         temp_over_array=round(temp / one, 3)))
+        pat = r"\[" + ",".join(map(str, shape)) + r"\]\{[^}]*\} copy\("
+        rows.append(dict(toy=name, topology=topology or "cpu", array=list(shape),
+                         array_bytes=int(one), temp_bytes=int(temp),
+                         temp_over_array=round(temp / one, 3),
+                         whole_array_copies=len(re.findall(pat, compiled.as_text()))))
     return rows
 
 
@@ -143,12 +173,16 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="", help="a tag stored with each row")
     p.add_argument("--save-hlo", default=None, metavar="PREFIX")
     p.add_argument("--out", default=None, help="append rows to this JSON list")
+    p.add_argument("--topology", default=None,
+                   help="compile for a TPU slice (e.g. v5e:1x1) in bfloat16, not the CPU")
     p.add_argument("--toy", action="store_true", help="the pattern alone (see above)")
     args = p.parse_args(argv)
     cfg = small_config(args.layers, args.kv_heads, args.head_dim, not args.unrolled)
+    if args.topology:
+        cfg = cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
     rows = []
     if args.toy:
-        for row in toy():
+        for row in toy(args.topology):
             row["command"] = "python experiments/cache_copies.py " + " ".join(
                 argv or sys.argv[1:])
             print(json.dumps(row))
@@ -156,7 +190,7 @@ def main(argv=None) -> int:
     for name in [] if args.toy else args.sampler or sorted(CASES):
         sampler, options = CASES[name]
         row, hlo = measure(cfg, sampler, options, batch=args.batch, prompt=args.prompt,
-                           gen=args.gen)
+                           gen=args.gen, topology=args.topology)
         row["label"] = args.label
         row["command"] = "python experiments/cache_copies.py " + " ".join(argv or sys.argv[1:])
         if args.save_hlo:

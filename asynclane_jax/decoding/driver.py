@@ -102,6 +102,33 @@ def check_update(schedule: Schedule, canvas, new_canvas, state, new_state) -> No
         "and dtypes")
 
 
+def run_if(pred, fn, state, out):
+    """(out, state) = fn(state) when the traced bool `pred` holds, else (out, state) as
+    given; `out` fixes the structure, shapes and dtypes of fn's first result.
+
+    A while_loop of at most one trip, not a lax.cond branch: XLA copies the whole K/V
+    cache when a loop that writes it in place (the scanned layers of a model call) runs
+    inside a conditional branch (on the TPU, twice per layer iteration), while a loop
+    nested in a loop updates its carry in place (experiments/cache_copies.py;
+    experiments/results/memory-8b.md).
+    """
+    def body(carry):
+        _, st, _ = carry
+        o, st = fn(st)
+        return jnp.zeros((), bool), st, o
+
+    _, state, out = jax.lax.while_loop(lambda c: c[0], body,
+                                       (jnp.asarray(pred, bool), state, out))
+    return out, state
+
+
+def branch(pred, true_fn, false_fn, state, out):
+    """lax.cond(pred, true_fn, false_fn, state) for functions state -> (out, state) that
+    update the K/V cache in place: two `run_if`s, exactly one of which runs."""
+    out, state = run_if(pred, true_fn, state, out)
+    return run_if(~jnp.asarray(pred, bool), false_fn, state, out)
+
+
 class ModelCalls:
     """The model calls of one decode: a full forward over the canvas (its K/V the cache
     of the rows it serves, when the schedule caches) or a cached call of the planned
@@ -127,6 +154,12 @@ class ModelCalls:
         self.block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
         bound = schedule.key_bound(ctx)
         self.bound = None if bound is None or bound >= T else bound
+        self.vocab = model.cfg.vocab_size
+
+    def no_logits(self, plan: Plan):
+        """Zero logits of a call's shape [b, n, V] float32 (n: the columns read), the
+        initial value `branch` needs."""
+        return jnp.zeros(self.read_columns(plan).shape + (self.vocab,), jnp.float32)
 
     def keys_of(self, plan: Plan):
         if plan.visible is None:
@@ -153,8 +186,9 @@ class ModelCalls:
         small = self.bounded(plan, serve) if self.use_cache else None
         if small is None:
             return self.full_over(self.T, st, plan, serve)
-        return jax.lax.cond(small, functools.partial(self.full_over, self.bound),
-                            functools.partial(self.full_over, self.T), st, plan, serve)
+        return branch(small, lambda s: self.full_over(self.bound, s, plan, serve),
+                      lambda s: self.full_over(self.T, s, plan, serve), st,
+                      self.no_logits(plan))
 
     def full_over(self, n: int, st: DecodeState, plan: Plan, serve):
         """A full forward over the first n canvas columns (n = T: the whole canvas)."""
@@ -202,7 +236,8 @@ class ModelCalls:
         if small is None:
             logits, cache = call(None)(st.cache)
         else:  # attend only to the leading columns while every row's view is within them
-            logits, cache = jax.lax.cond(small, call(self.bound), call(None), st.cache)
+            logits, cache = branch(small, call(self.bound), call(None), st.cache,
+                                   self.no_logits(plan))
         n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
         return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
                                   tokens_processed=st.tokens_processed + n,
@@ -277,7 +312,9 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
         check_plan(schedule, plan, b, where)
         serve = plan.serve & ~st.finished
         if use_cache:
-            logits, st = jax.lax.cond(plan.full, calls.full, calls.cached, st, plan, serve)
+            logits, st = branch(plan.full, lambda s: calls.full(s, plan, serve),
+                                lambda s: calls.cached(s, plan, serve), st,
+                                calls.no_logits(plan))
         else:
             logits, st = calls.full(st, plan, serve)
         # The output at column q predicts column q + shift (Dream), in every call.
@@ -314,9 +351,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
             return st
         if tap is not None:
             raise SamplerError(f"{schedule.name}: a tap does not see the first_plan call")
-        return jax.lax.cond(jnp.any(rows & ~st.finished),
-                            lambda s, p: step(s, p, "first_plan")[0],
-                            lambda s, _: s, st, first)
+        return run_if(jnp.any(rows & ~st.finished),
+                      lambda s: (None, step(s, first, "first_plan")[0]), st, None)[1]
 
     if not pieces:
         return first_call(state, ~state.finished), body, cond
