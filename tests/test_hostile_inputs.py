@@ -406,6 +406,10 @@ SIGNAL_CASES = [("python -m", "SIGINT", "reading"), ("python -m", "SIGTERM", "sa
                 ("asynclane-jax", "SIGINT", "saving"), ("asynclane-jax", "SIGTERM", "any")]
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="module")
 def signalled(tmp_path_factory):
     """Every signal case run at once, as real processes (they mostly wait on imports):
@@ -425,8 +429,12 @@ def signalled(tmp_path_factory):
         if phase != "any":
             env["HOSTILE_PHASE"] = phase
         stderr = open(out / "stderr", "w+")
+        # A job started in the background by a non-interactive shell inherits SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt handler: the child gets
+        # SIGINT's default back, as a process started from a terminal has it.
         proc = subprocess.Popen([*ENTRY[entry], str(src), str(out / "dst"), "--no-progress"],
-                                stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+                                stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+                                preexec_fn=_default_sigint)
         runs[case] = (proc, out, stderr)
     results, deadline, sent = {}, time.time() + 240, {}
     while len(sent) < len(runs) and time.time() < deadline:
