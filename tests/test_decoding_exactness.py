@@ -111,10 +111,25 @@ def test_vanilla_matches_reference(block_length, steps, cfg_scale):
         dict(sampler="vanilla", gen_length=GEN, block_length=block_length, steps=steps,
              remasking="low_confidence", temperature=0.0, cfg_scale=cfg_scale),
         ref.llada_vanilla,
-        dict(gen_length=GEN, block_length=block_length, steps=steps, cfg_scale=cfg_scale),
-        compare_nfe=cfg_scale == 0.0)  # whether a CFG pair counts as 1 or 2 calls is open
+        dict(gen_length=GEN, block_length=block_length, steps=steps, cfg_scale=cfg_scale))
+    # A guided pair is one call in both (the reference's loop counts it once).
     for _, info in refs:
         assert set(info["commits_per_step"]) == {GEN // steps}
+
+
+def test_a_guided_call_is_counted():
+    """Classifier-free guidance runs the prompt and its masked copy as one call of twice
+    the rows: one full forward per step, its positions counted twice."""
+    from asynclane_jax.decoding import generate
+
+    model = ref.make_model("llada", lm_scale=ref.LM_SCALE_TOPK)
+    prompts = ref.make_prompts(model.cfg.vocab_size)[:1]
+    opts = dict(sampler="vanilla", gen_length=GEN, block_length=GEN, steps=8)
+    plain = generate(model, prompts, **opts).stats
+    guided = generate(model, prompts, cfg_scale=0.5, **opts).stats
+    assert guided.nfe_full == plain.nfe_full == guided.steps == 8
+    assert list(guided.row_nfe_full) == [8]
+    assert guided.tokens_processed == 2 * plain.tokens_processed
 
 
 # ----------------------------------------------------------------------------- Dream

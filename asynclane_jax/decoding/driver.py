@@ -204,7 +204,11 @@ class ModelCalls:
                 key_mask=two(keys), logits_index=two(read),
                 block_ids=None if block_ids is None else two(block_ids))
             cond, unc = jnp.split(both, 2, axis=0)
-            return unc + (self.cfg_scale + 1.0) * (cond - unc), st
+            # One model call (of twice the rows): counted once, its positions twice.
+            return unc + (self.cfg_scale + 1.0) * (cond - unc), st.replace(
+                nfe_full=st.nfe_full + 1,
+                tokens_processed=st.tokens_processed + 2 * self.n_live * T,
+                row_full=st.row_full + serve)
         write = jnp.where(serve[:, None], self.cols[:, :n], T)  # only served rows' cache
         logits, cache = self.model.forward(
             st.canvas[:, :n], self.positions[:, :n], key_mask=keys, cache=st.cache,
