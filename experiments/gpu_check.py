@@ -144,8 +144,7 @@ def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
                       deadline: float, keep_tokens: bool = False) -> tuple[dict, list[str]]:
     from asynclane_jax.decoding import generate
 
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
+    prompt = check_prompt(cfg, prompt_len)
     rows, skipped = {}, []
     for name in samplers:
         if time.perf_counter() > deadline:
@@ -176,34 +175,49 @@ def generation_checks(model, cfg, samplers, gen_length: int, prompt_len: int,
     return rows, skipped
 
 
+def check_prompt(cfg, prompt_len: int) -> list[int]:
+    """The one random prompt every generation of the check decodes."""
+    rng = np.random.default_rng(1)
+    return rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
+
+
+def variant_generation(model, cfg, sampler: str, gen_length: int, prompt_len: int,
+                       reference_tokens, agreement_key: str) -> dict:
+    """One generation of a variant model with `sampler`: its figures, and under
+    `agreement_key` the share of its tokens equal to `reference_tokens` (when given);
+    an error is reported, not raised."""
+    from asynclane_jax.decoding import generate
+
+    opts = sampler_options(sampler, cfg)
+    t0 = time.perf_counter()
+    try:
+        res = generate(model, [check_prompt(cfg, prompt_len)], sampler=sampler,
+                       gen_length=gen_length, **opts)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    st = res.stats
+    n = int(st.generated_tokens[0])
+    out = {
+        "options": opts, "gen_length": gen_length, "generated_tokens": n,
+        "decode_s": round(st.decode_time, 3), "compile_s": round(st.compile_time, 1),
+        "tokens_per_s": round(n / st.decode_time, 1) if st.decode_time else None,
+        "canvas_tokens_per_s": round(gen_length / st.decode_time, 1),
+        "model_calls": st.nfe, "wall_s": round(time.perf_counter() - t0, 1)}
+    if reference_tokens is not None:
+        out[agreement_key] = round(
+            float(np.mean(np.asarray(reference_tokens) == res.tokens[0])), 4)
+    return out
+
+
 def scanned_check(preset_name: str, sampler: str, gen_length: int, prompt_len: int,
                   unrolled_tokens) -> dict:
     """Builds the same random model in the scanned layout and runs one generation with
     `sampler`; its tokens are compared with the unrolled run's."""
-    from asynclane_jax.decoding import generate
-
     t0 = time.perf_counter()
     model, cfg = build_model(preset_name, scan_layers=True)
     out = {"sampler": sampler, "build_s": round(time.perf_counter() - t0, 1)}
-    rng = np.random.default_rng(1)  # the prompt generation_checks uses
-    prompt = rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
-    opts = sampler_options(sampler, cfg)
-    t0 = time.perf_counter()
-    try:
-        res = generate(model, [prompt], sampler=sampler, gen_length=gen_length, **opts)
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"[:300]
-        return out
-    st = res.stats
-    n = int(st.generated_tokens[0])
-    out.update({
-        "options": opts, "gen_length": gen_length, "generated_tokens": n,
-        "decode_s": round(st.decode_time, 3), "compile_s": round(st.compile_time, 1),
-        "tokens_per_s": round(n / st.decode_time, 1) if st.decode_time else None,
-        "model_calls": st.nfe, "wall_s": round(time.perf_counter() - t0, 1)})
-    if unrolled_tokens is not None:
-        out["token_agreement_with_unrolled"] = round(
-            float(np.mean(np.asarray(unrolled_tokens) == res.tokens[0])), 4)
+    out.update(variant_generation(model, cfg, sampler, gen_length, prompt_len,
+                                  unrolled_tokens, "token_agreement_with_unrolled"))
     return out
 
 
@@ -211,7 +225,6 @@ def int8_check(model, cfg, sampler: str, gen_length: int, prompt_len: int,
                bf16_tokens) -> dict:
     """Quantizes the model's linear layers in place (int8, per-channel scales) and runs
     one generation with `sampler`; its tokens are compared with the bfloat16 run's."""
-    from asynclane_jax.decoding import generate
     from asynclane_jax.models import quantize
 
     t0 = time.perf_counter()
@@ -219,26 +232,8 @@ def int8_check(model, cfg, sampler: str, gen_length: int, prompt_len: int,
     jax.block_until_ready(nnx.state(model))
     out = {"sampler": sampler, "quantize_s": round(time.perf_counter() - t0, 1),
            "params_gib": round(quantize.weight_bytes(nnx.state(model)) / 2**30, 2)}
-    rng = np.random.default_rng(1)  # the prompt generation_checks uses
-    prompt = rng.integers(0, ordinary_ids(cfg), prompt_len).tolist()
-    opts = sampler_options(sampler, cfg)
-    t0 = time.perf_counter()
-    try:
-        res = generate(model, [prompt], sampler=sampler, gen_length=gen_length, **opts)
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"[:300]
-        return out
-    st = res.stats
-    n = int(st.generated_tokens[0])
-    out.update({
-        "options": opts, "gen_length": gen_length, "generated_tokens": n,
-        "decode_s": round(st.decode_time, 3), "compile_s": round(st.compile_time, 1),
-        "tokens_per_s": round(n / st.decode_time, 1) if st.decode_time else None,
-        "canvas_tokens_per_s": round(gen_length / st.decode_time, 1),
-        "model_calls": st.nfe, "wall_s": round(time.perf_counter() - t0, 1)})
-    if bf16_tokens is not None:
-        out["token_agreement_with_bf16"] = round(
-            float(np.mean(np.asarray(bf16_tokens) == res.tokens[0])), 4)
+    out.update(variant_generation(model, cfg, sampler, gen_length, prompt_len,
+                                  bf16_tokens, "token_agreement_with_bf16"))
     return out
 
 
