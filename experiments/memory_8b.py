@@ -147,34 +147,29 @@ def _run(cmd: list[str], out: pathlib.Path, max_rss_gib: float | None = None) ->
     print(f"{wall:7.1f}s  fits={rec['fits']}  host {peak / GIB:.1f} GiB  {text}", flush=True)
 
 
-def cmd_rows(args) -> None:
+def _run_pending(commands, args) -> None:
+    """Runs, in order, the commands whose rows args.out does not hold yet, at most
+    args.limit of them (a stopped run picks up where it stopped)."""
     out = pathlib.Path(args.out)
     done = _done(out)
-    todo = [r for r in ROWS if not args.only or r["topology"].startswith(args.only)]
     n = 0
-    for row in todo:
-        cmd = command(row)
+    for cmd in commands:
         if shlex.join(cmd) in done:
             continue
         if args.limit is not None and n >= args.limit:
-            break
+            return
         _run(cmd, out, args.max_rss_gib)
         n += 1
 
 
+def cmd_rows(args) -> None:
+    _run_pending((command(r) for r in ROWS
+                  if not args.only or r["topology"].startswith(args.only)), args)
+
+
 def cmd_layers(args) -> None:
-    out = pathlib.Path(args.out)
-    done = _done(out)
-    n = 0
-    for case in LAYOUT_CASES:
-        for scan in case.get("layouts", (False, True)):
-            cmd = command(dict(case, scan=scan))
-            if shlex.join(cmd) in done:
-                continue
-            if args.limit is not None and n >= args.limit:
-                return
-            _run(cmd, out, args.max_rss_gib)
-            n += 1
+    _run_pending((command(dict(case, scan=scan)) for case in LAYOUT_CASES
+                  for scan in case.get("layouts", (False, True))), args)
 
 
 def cmd_layers_table(args) -> None:
