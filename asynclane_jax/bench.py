@@ -225,11 +225,9 @@ class _Tally:
 
     def _by(self, which: int) -> dict:
         """Accuracy per family (which 0) or per answer-length bucket (1), with counts."""
-        out: dict = {}
-        for ok, group in zip(self.ok, self.groups):
-            n, right = out.get(group[which], (0, 0))
-            out[group[which]] = (n + 1, right + ok)
-        return {k: {"n": n, "accuracy": right / n} for k, (n, right) in out.items()}
+        from asynclane_jax.testbed.evaluate import accuracy_by
+
+        return accuracy_by(self.ok, [g[which] for g in self.groups])
 
 
 def comparison_of(sampler: str, options: dict) -> str:

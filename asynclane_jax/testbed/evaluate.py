@@ -81,6 +81,17 @@ class SpeedTally:
         }
 
 
+def accuracy_by(ok, keys, order=None) -> dict:
+    """{key: {"n", "accuracy"}} of rows' right / wrong `ok` grouped by their `keys`
+    (e.g. family, answer-length bucket), in `order` (default: first appearance)."""
+    counts: dict = {}
+    for right, key in zip(ok, keys):
+        n, r = counts.get(key, (0, 0))
+        counts[key] = (n + 1, r + bool(right))
+    return {k: {"n": counts[k][0], "accuracy": counts[k][1] / counts[k][0]}
+            for k in (order or counts) if k in counts}
+
+
 def _line_share(lines: list[tuple[int, int]]) -> float:
     return sum(r for r, _ in lines) / max(1, sum(t for _, t in lines))
 
@@ -163,10 +174,8 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
                 result[f"accuracy_{fam}"] = float(np.mean([ok[i] for i in sel]))
                 result[f"line_accuracy_{fam}"] = _line_share([lines[i] for i in sel])
                 result[f"n_{fam}"] = len(sel)
-        result["accuracy_length"] = {
-            name: {"n": len(sel), "accuracy": float(np.mean([ok[i] for i in sel]))}
-            for name, _, _ in tasks.LENGTH_BUCKETS
-            if (sel := [i for i in range(done) if buckets[i] == name])}
+        result["accuracy_length"] = accuracy_by(
+            ok, buckets[:done], [name for name, _, _ in tasks.LENGTH_BUCKETS])
         if bar is not None:
             bar.update(len(chunk))
             bar.set_postfix_str(f"accuracy {result['accuracy']:.3f}, "
