@@ -196,6 +196,7 @@ def _cmd_generate(args) -> int:
 
 def _cmd_eval(args) -> int:
     import asynclane_jax
+    from asynclane_jax.testbed import tasks
     from asynclane_jax.testbed.evaluate import SPLIT_SIZES, evaluate
 
     if args.n <= 0:
@@ -205,11 +206,11 @@ def _cmd_eval(args) -> int:
                          f"problems; ask for at most {SPLIT_SIZES['heldout']}")
     gen_length = _gen_length(args, 256)
     sampler, opts = _sampler_and_options(args)
-    model, tokenizer, cfg = asynclane_jax.load(args.model or DEFAULT_MODEL, mesh=args.mesh,
-                                               quantize=args.quantize,
+    name = args.model or DEFAULT_MODEL
+    model, tokenizer, cfg = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize,
                                                scan_layers=args.scan_layers)
     result = evaluate(model, tokenizer, sampler=sampler, gen_length=gen_length, n=args.n,
-                      progress=not args.quiet, **opts)
+                      progress=not args.quiet, task_set=tasks.model_task_set(name), **opts)
     result["quantize"] = args.quantize
     if args.json:
         print(json.dumps(result))
@@ -218,19 +219,21 @@ def _cmd_eval(args) -> int:
     return 0
 
 
-EVAL_TABLE_HEAD = ("sampler", "problems", "accuracy", "math", "code", "tokens/s",
-                   "calls/token", "decode s", "compile s")
-
-
 def _print_eval_table(result: dict) -> None:
-    """The summary of an `eval` run as a two-line table."""
+    """The summary of an `eval` run as a two-line table: overall accuracy, accuracy per
+    family of the run's task set, speed."""
+    from asynclane_jax.testbed import tasks
+
+    families = tasks.families_of(result.get("task_set", tasks.DEFAULT_TASK_SET))
+    head = ("sampler", "problems", "accuracy", *families, "tokens/s", "calls/token",
+            "decode s", "compile s")
     cells = (result["sampler"], str(result["n"]), f"{100 * result['accuracy']:.1f}%",
              *(f"{100 * result[f'accuracy_{f}']:.1f}%" if f"accuracy_{f}" in result else "-"
-               for f in ("math", "code")),
+               for f in families),
              f"{result['tps']:.1f}", f"{result['nfe_per_token']:.3f}",
              f"{result['wall_s']:.2f}", f"{result['compile_s']:.1f}")
-    widths = [max(len(h), len(c)) for h, c in zip(EVAL_TABLE_HEAD, cells)]
-    for line in (EVAL_TABLE_HEAD, cells):
+    widths = [max(len(h), len(c)) for h, c in zip(head, cells)]
+    for line in (head, cells):
         print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
 
 

@@ -3,6 +3,8 @@
   python experiments/train_testbed.py --model tiny-llada --minutes 55
   python experiments/train_testbed.py --model tiny-dream --minutes 55
   python experiments/train_testbed.py --model tiny-llada --task-set v2 --minutes 85
+  python experiments/train_testbed.py --model tiny-llada --task-set v2 --minutes 75 \
+      --init-from tiny-llada
 
 Checkpoints (resumable: rerun the same command) go under runs/<name>/; the loss curve
 and the JSON log go to experiments/results/testbed_<name>.{png,json}; the final model is
@@ -47,6 +49,10 @@ def main(argv=None):
     ap.add_argument("--eval-n", type=int, default=None, help="problems per monitor (default 32)")
     ap.add_argument("--eval-gen-length", type=int, default=None,
                     help="monitor gen length (default 64; 512 for v2)")
+    ap.add_argument("--init-from", default=None,
+                    help="warm start: a shipped model's name or a converted folder; the run "
+                         "takes its architecture and weights (new vocabulary ids start "
+                         "random) and the model card says so")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None, help="default: runs/<model>")
     ap.add_argument("--export", default=None,
@@ -68,6 +74,14 @@ def main(argv=None):
         make = train.llada_config if family == "llada" else train.dream_config
     changes = {"minutes": args.minutes, "steps": args.steps, "eval_every_s": args.eval_every,
                "seed": args.seed}
+    if args.init_from:
+        try:
+            changes.update(train.source_architecture(args.init_from), init_from=args.init_from)
+        except (OSError, ValueError) as e:
+            ap.error(f"--init-from: {e}")
+        source_family = changes.pop("family")
+        if source_family != family:
+            ap.error(f"--init-from {args.init_from}: a {source_family} model, not {family}")
     for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias", "t_max_start",
                   "t_ramp", "eval_n", "eval_gen_length"):
         if getattr(args, field) is not None:

@@ -82,6 +82,34 @@ def test_eval_json(model_dir, capsys):
     assert out["nfe_per_token"] > 0 and out["tps"] > 0
 
 
+def test_evaluate_resumes_where_it_stopped(model_dir, tmp_path, capsys):
+    """A run stopped after 2 problems and resumed to 4 records what one run of 4 does;
+    a resume with other settings is refused in one line, the file left as it was."""
+    from asynclane_jax.testbed import evaluate
+
+    base = [str(model_dir), "--sampler", "fast-dllm", "--gen-length", "16",
+            "--block-length", "8", "--batch-size", "2"]
+    whole, part = tmp_path / "whole.json", tmp_path / "part.json"
+    evaluate.main([*base, "--n", "4", "--out", str(whole)])
+    evaluate.main([*base, "--n", "2", "--out", str(part)])
+    assert len(json.loads(part.read_text())["per_problem"]) == 2
+    evaluate.main([*base, "--n", "4", "--out", str(part), "--resume"])
+    got, want = json.loads(part.read_text()), json.loads(whole.read_text())
+    assert got["per_problem"] == want["per_problem"] and got["n"] == 4
+    for key in ("accuracy", "line_accuracy", "correct", "accuracy_length"):
+        assert got[key] == want[key], key
+    assert got["tally"]["rows"] == 4 and got["tally"]["gen_tokens"] == want["tally"]["gen_tokens"]
+    capsys.readouterr()
+    before = part.read_text()
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([*base[:-2], "--batch-size", "2", "--gen-length", "32", "--n", "4",
+                       "--out", str(part), "--resume"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "other settings (gen_length: 16 there, 32 here)" in err
+    assert part.read_text() == before
+
+
 def test_info_on_a_converted_folder(model_dir, capsys):
     assert main(["info", "--model", str(model_dir), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

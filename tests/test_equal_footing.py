@@ -8,7 +8,9 @@ options of BlockSchedule (block.py), and the bench's three comparisons.
 - The cascade on hand-made logits: an end-of-text committed mid-block ends the row at
   once.
 - The widening on hand-made logits: a row entering a block near the end of its view is
-  shown the whole canvas by that block's refresh, at no extra call.
+  shown the whole canvas by that block's refresh, at no extra call; an answer longer
+  than the initial view comes out whole, equal to the horizon-free decode (AsyncLane
+  with lanes off and forking, Fast-dLLM with the horizon).
 - Validation, the registry's options, and the bench's comparisons.
 """
 
@@ -189,6 +191,27 @@ def test_the_view_widens_at_the_refresh_near_its_end(G, horizon, widen_at, cache
         assert visible == (P + V0 if block < widen_at else P + G), (k, visible)
         valid = np.asarray(p.positions[0])
         assert np.all(valid[valid < P + G] < visible)  # nothing hidden is queried
+
+
+@pytest.mark.parametrize("sampler,opts", [
+    ("asynclane", {}), ("asynclane", dict(max_lanes=16)),
+    ("fast-dllm", dict(cache="dual", horizon=96, early_stop=True, cascade=True)),
+], ids=["asynclane", "asynclane-forking", "fast-dllm-horizon"])
+def test_an_answer_longer_than_the_view_comes_out_whole(sampler, opts):
+    # The answer ends at position 200, past the initial view (block 32 + horizon 96):
+    # the view widens before the window reaches its end, and where the model is
+    # confident whatever it sees the decode is the horizon-free one, call for call.
+    G, B, end = 256, 32, 200
+    table = confident_table(G, eos_at=end, unsure=np.arange(0, G, B) + 7)
+    tokens, plans = drive(build(sampler, gen_length=G, **opts), table)
+    free, free_plans = drive(build(sampler, gen_length=G, **{**opts, "horizon": 0}), table)
+    np.testing.assert_array_equal(tokens, free)
+    assert len(plans) == len(free_plans)
+    assert first_stop(tokens, [EOS]) == end and np.all(tokens[end:] == EOS)
+    assert np.all(tokens[:end][(np.arange(end) % B) != 7] == 1)
+    visible = [int(p.visible[0]) for p in plans]
+    assert visible[0] == P + B + 96 and visible[-1] == P + G
+    assert visible == sorted(visible)  # the view only widens
 
 
 # ------------------------------------------------------------ options and validation

@@ -166,3 +166,46 @@ def test_shipped_model_loads_and_solves_heldout_problems(name):
         solved += tasks.check(p, row)
     assert well_formed >= 16, f"{well_formed} of 20 well-formed"
     assert solved >= MIN_SOLVED, f"{solved} of 20 solved"
+
+
+def test_a_warm_start_takes_the_source_weights_and_keeps_the_new_ids():
+    """A v2 run started from tiny-llada (vocabulary 159 -> 194): every array is the
+    source's, the embedding rows and output-head columns of the new ids keep the fresh
+    initialisation; another architecture is refused, naming the array."""
+    from asynclane_jax import checkpoint
+
+    arch = train.source_architecture("tiny-llada")
+    assert arch["family"] == "llada"
+    arch.pop("family")
+    tc = train.v2_config("llada", **arch)
+    fresh = nnx.split(train.DiffusionLM(tc.model_config(), rngs=nnx.Rngs(0)))[1]
+    warm = train.warm_start_params(fresh, "tiny-llada")
+    source = nnx.split(checkpoint.load_model(checkpoint.resolve("tiny-llada")))[1]
+    old = source["embed"].get_value().shape[0]
+    assert old < tok.vocab_size() == warm["embed"].get_value().shape[0]
+    np.testing.assert_array_equal(warm["embed"].get_value()[:old], source["embed"].get_value())
+    np.testing.assert_array_equal(warm["embed"].get_value()[old:], fresh["embed"].get_value()[old:])
+    head = warm["lm_head"]["kernel"].get_value()
+    np.testing.assert_array_equal(head[:, :old], source["lm_head"]["kernel"].get_value())
+    np.testing.assert_array_equal(head[:, old:], fresh["lm_head"]["kernel"].get_value()[:, old:])
+    layer = warm["layers"][3]["mlp"]["up_proj"]["kernel"].get_value()
+    np.testing.assert_array_equal(layer, source["layers"][3]["mlp"]["up_proj"]["kernel"].get_value())
+
+    narrow = dataclasses.replace(tc, mlp_hidden=128)
+    other = nnx.split(train.DiffusionLM(narrow.model_config(), rngs=nnx.Rngs(0)))[1]
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj\.kernel has "
+                       r"shape \(256, 64\), the new model \(128, 64\)"):
+        train.warm_start_params(other, "tiny-llada")
+
+
+def test_the_card_names_the_command_that_trains_the_run():
+    from asynclane_jax.testbed import card
+
+    v1 = train.llada_config(qkv_bias=True).to_dict()
+    assert card.train_command(v1) == (
+        "python experiments/train_testbed.py --model tiny-llada --minutes 55 --d-model 64 "
+        "--mlp-hidden 256 --qkv-bias --t-max-start 0.25 --t-ramp 0.2 --long-frac 0.08")
+    warm = train.v2_config("dream", init_from="tiny-dream", minutes=72.0, t_ramp=0.1).to_dict()
+    assert card.train_command(warm) == (
+        "python experiments/train_testbed.py --model tiny-dream --minutes 72 --init-from "
+        "tiny-dream --t-max-start 0.25 --t-ramp 0.1 --task-set v2")

@@ -111,6 +111,29 @@ def _v2_task(sample) -> list[str]:
         *split_section("v2")]
 
 
+def train_command(tc: dict) -> str:
+    """The experiments/train_testbed.py command that trains a run of this config."""
+    base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
+    flags = [f"--model {base}", f"--minutes {tc['minutes']:g}"]
+    if tc.get("init_from"):
+        flags.append(f"--init-from {tc['init_from']}")  # it sets the architecture
+    else:
+        flags += [f"--d-model {tc['d_model']}", f"--mlp-hidden {tc['mlp_hidden']}"]
+        if tc.get("n_layers", 6) != 6:
+            flags.append(f"--n-layers {tc['n_layers']}")
+        flags.append({True: "--qkv-bias", False: "--no-qkv-bias", None: ""}[tc.get("qkv_bias")])
+    return ("python experiments/train_testbed.py " + " ".join(f for f in flags if f)
+            + _curriculum_flags(tc))
+
+
+def _warm_start(tc: dict) -> str:
+    if not tc.get("init_from"):
+        return ""
+    return (f"The run started from the weights of `{tc['init_from']}` (same architecture; "
+            "the ids the vocabulary gained since start from a random initialisation), so "
+            f"its training time adds to that model's (see `{tc['init_from']}`'s card). ")
+
+
 def _label(e: dict) -> str:
     opts = ", ".join(f"{k}={v}" for k, v in (e.get("options") or {}).items())
     return e["sampler"] + (f" ({opts})" if opts else "")
@@ -152,8 +175,10 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
               f"Dream-style: grouped-query attention, {bias}, shifted logits "
               "(the token at position i is read from the output at i - 1)")
     out = [f"# {name}", "",
-           f"A tiny masked-diffusion language model ({family}) trained from scratch on the "
-           "testbed's synthetic reasoning tasks. It exists so that every sampler of "
+           f"A tiny masked-diffusion language model ({family}) trained "
+           + (f"from `{tc['init_from']}` (a warm start: its weights, see Training) "
+              if tc.get("init_from") else "from scratch ")
+           + "on the testbed's synthetic reasoning tasks. It exists so that every sampler of "
            "asynclane-jax can be run and compared on a real workload on a CPU; it goes "
            "through the same loading path as a converted 8B checkpoint: "
            f"`asynclane_jax.load(\"{name}\")`.", "",
@@ -178,12 +203,8 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            f"{tc['weight_decay']}, clip {tc['clip_norm']}). " + _shapes(tc)
            + _curriculum(tc), "",
            f"Steps: {log['step']:,}; training time: {minutes:.1f} min of training steps "
-           f"(monitoring excluded) on {hardware}. "
-           "Command: `python experiments/train_testbed.py --model "
-           f"{name} --minutes {tc['minutes']:g} --d-model {tc['d_model']} "
-           f"--mlp-hidden {tc['mlp_hidden']}"
-           + {True: " --qkv-bias", False: " --no-qkv-bias", None: ""}[tc.get("qkv_bias")]
-           + _curriculum_flags(tc) + "`. Loss curve: "
+           f"(monitoring excluded) on {hardware}. " + _warm_start(tc)
+           + f"Command: `{train_command(tc)}`. Loss curve: "
            f"`experiments/results/testbed_{name}.png`.", "",
            "## Held-out accuracy", "",
            "| sampler | gen length | problems | exact answer | " + " | ".join(families)

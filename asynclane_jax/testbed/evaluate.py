@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -70,6 +71,18 @@ class SpeedTally:
         self.compile_s += other.compile_s
         return self
 
+    def to_dict(self) -> dict:
+        """The counts, for a result file a later run resumes from."""
+        return {"rows": self.rows, "gen_tokens": self.gen_tokens, "row_nfe": self.row_nfe,
+                "wall": self.wall, "compile_s": self.compile_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeedTally:
+        tally = cls()
+        tally.rows, tally.gen_tokens, tally.row_nfe = d["rows"], d["gen_tokens"], d["row_nfe"]
+        tally.wall, tally.compile_s = d["wall"], d["compile_s"]
+        return tally
+
     def figures(self) -> dict:
         return {
             "tps": self.gen_tokens / self.wall if self.wall else 0.0,
@@ -107,7 +120,8 @@ def prompts_for(problems, tokenizer=None) -> list[list[int]]:
 def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int = 256,
              n: int = 500, split: str = "heldout", batch_size: int = 50,
              block_length: int | None = None, progress: bool = False, on_batch=None,
-             task_set: str = tasks.DEFAULT_TASK_SET, **sampler_options) -> dict:
+             task_set: str = tasks.DEFAULT_TASK_SET, resume: dict | None = None,
+             **sampler_options) -> dict:
     """Exact-match accuracy (`tasks.check`) on n problems of a split.
 
     Args:
@@ -122,11 +136,15 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
       progress: a tqdm bar on stderr (problems done, accuracy and tokens/s so far).
       on_batch: optional callback(partial_result_dict) after each batch.
       task_set: the task set the problems come from (`tasks.TASK_SETS`).
+      resume: a result this function returned (or wrote through on_batch) for the same
+        settings and an n no larger than this one: its problems are not decoded again,
+        and the run goes on from the first problem it had not done.
       **sampler_options: the sampler's options (steps, threshold, ...).
     Returns:
       {"accuracy", "n", "correct", "accuracy_<family>", "line_accuracy",
        "line_accuracy_<family>", "accuracy_length" (per answer-length bucket: n and
-       accuracy), "tps",
+       accuracy), "tps", "per_problem" ([right, right lines, lines] of each problem,
+       in order) and "tally" (the speed counts; both for `resume`),
        "nfe_per_token", "nfe_per_row", "wall_s", "sampler", "gen_length", ...}.
       tps: generated tokens (before the first EOS) per second of decoding wall time
       (compilation excluded; it is reported as compile_s);
@@ -143,14 +161,21 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     ok: list[bool] = []
     lines: list[tuple[int, int]] = []
     speed = SpeedTally()
-    batches = range(0, n, batch_size)
+    settings = {"sampler": sampler, "gen_length": gen_length, "block_length": block_length,
+                "options": sampler_options, "split": split, "task_set": task_set}
+    if resume is not None:
+        check_resumable(resume, settings, n)
+        ok = [bool(r[0]) for r in resume["per_problem"]]
+        lines = [(int(r[1]), int(r[2])) for r in resume["per_problem"]]
+        speed = SpeedTally.from_dict(resume["tally"])
+    batches = range(len(ok), n, batch_size)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=n, desc=f"eval ({sampler})", unit="problem", file=sys.stderr,
-                   dynamic_ncols=True)
-    result: dict = {}
+        bar = tqdm(total=n, initial=len(ok), desc=f"eval ({sampler})", unit="problem",
+                   file=sys.stderr, dynamic_ncols=True)
+    result: dict = resume or {}
     for start in batches:
         chunk = problems[start:start + batch_size]
         res = generate(model, prompts[start:start + batch_size], sampler=sampler,
@@ -162,8 +187,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
             lines.append(line_accuracy(p, row))
         done = len(ok)
         result = {
-            "sampler": sampler, "gen_length": gen_length, "block_length": block_length,
-            "options": sampler_options, "split": split, "task_set": task_set, "n": done,
+            **settings, "n": done,
             "correct": int(sum(ok)), "accuracy": float(np.mean(ok)),
             "line_accuracy": _line_share(lines),
             **speed.figures(),
@@ -176,6 +200,8 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
                 result[f"n_{fam}"] = len(sel)
         result["accuracy_length"] = accuracy_by(
             ok, buckets[:done], [name for name, _, _ in tasks.LENGTH_BUCKETS])
+        result["per_problem"] = [[bool(o), r, t] for o, (r, t) in zip(ok, lines)]
+        result["tally"] = speed.to_dict()
         if bar is not None:
             bar.update(len(chunk))
             bar.set_postfix_str(f"accuracy {result['accuracy']:.3f}, "
@@ -185,6 +211,31 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     if bar is not None:
         bar.close()
     return result
+
+
+def check_resumable(previous: dict, settings: dict, n: int) -> None:
+    """Raises ValueError unless `previous` is a partial result of the same settings."""
+    if "per_problem" not in previous or "tally" not in previous:
+        raise ValueError("the result has no per-problem record (written by an older "
+                         "version?); it cannot be resumed")
+    differ = [f"{k}: {previous.get(k)!r} there, {v!r} here" for k, v in settings.items()
+              if previous.get(k) != v]
+    if differ:
+        raise ValueError("the result was made with other settings (" + "; ".join(differ) + ")")
+    if len(previous["per_problem"]) > n:
+        raise ValueError(f"the result has {len(previous['per_problem'])} problems, "
+                         f"more than the {n} asked for")
+
+
+def write_json(path, obj) -> None:
+    """Writes JSON through a temporary file, so an interrupted write leaves the last
+    whole file in place."""
+    import os
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -201,7 +252,12 @@ def main(argv=None):
     ap.add_argument("--option", action="append", default=[],
                     help="sampler option KEY=VALUE (repeatable), e.g. threshold=0.9")
     ap.add_argument("--out", default=None, help="write the result JSON here (after each batch)")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on from the partial result in --out (same settings) instead of "
+                         "starting again")
     args = ap.parse_args(argv)
+    if args.resume and not args.out:
+        ap.error("--resume needs --out (the result file to go on from)")
     try:
         check_n(args.n, args.split)
     except ValueError as e:
@@ -212,20 +268,34 @@ def main(argv=None):
     from asynclane_jax.decoding.registry import parse_options
 
     options = parse_options(args.option)
+    task_set = args.tasks or tasks.model_task_set(args.model)
+    previous = None
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
+        settings = {"sampler": args.sampler, "gen_length": args.gen_length,
+                    "block_length": args.block_length, "options": options,
+                    "split": args.split, "task_set": task_set}
+        try:
+            if previous.get("model") != args.model:
+                raise ValueError(f"it is of model {previous.get('model')!r}")
+            check_resumable(previous, settings, args.n)
+        except ValueError as e:
+            ap.error(f"--resume {args.out}: {e}")
     model, tokenizer, _ = load(args.model)
-    t0 = time.time()
+    t0 = time.time() - (previous or {}).get("elapsed_s", 0.0)
 
     def write(res):
         res = dict(res, model=args.model, elapsed_s=round(time.time() - t0, 1))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
-        print(json.dumps(res), flush=True)
+            write_json(args.out, res)
+        brief = {k: v for k, v in res.items() if k not in ("per_problem", "tally")}
+        print(json.dumps(brief), flush=True)
 
     write(evaluate(model, tokenizer, sampler=args.sampler, gen_length=args.gen_length, n=args.n,
                    split=args.split, batch_size=args.batch_size,
-                   block_length=args.block_length, on_batch=write,
-                   task_set=args.tasks or tasks.model_task_set(args.model), **options))
+                   block_length=args.block_length, on_batch=write, task_set=task_set,
+                   resume=previous, **options))
 
 
 if __name__ == "__main__":

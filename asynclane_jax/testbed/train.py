@@ -89,6 +89,10 @@ class TrainConfig:
     eval_sampler: str = "vanilla"  # "vanilla" (steps = gen length) or "fast-dllm"
     ckpt_every_s: float = 300.0
     seed: int = 0
+    # Warm start: a shipped model's name or a converted folder whose weights a fresh run
+    # starts from (same architecture; a vocabulary that grew at its end keeps the new
+    # rows' random initialisation). None: random initialisation.
+    init_from: str | None = None
 
     def model_config(self) -> ModelConfig:
         dream = self.family == "dream"
@@ -336,6 +340,58 @@ def monitor(model: DiffusionLM, problems: list[tasks.Problem], *, gen_length: in
 
 # --------------------------------------------------------------------------- driver
 
+ARCHITECTURE_FIELDS = ("family", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                       "mlp_hidden", "qkv_bias")
+
+
+def source_architecture(path_or_name) -> dict:
+    """The TrainConfig architecture fields of a converted model (for a warm start)."""
+    from asynclane_jax import checkpoint
+
+    cfg, _ = checkpoint.read_config(checkpoint.resolve(path_or_name))
+    return {f: getattr(cfg, f) for f in ARCHITECTURE_FIELDS}
+
+
+def _dotted(path) -> str:
+    """A parameter's tree path as the checkpoint names it: layers.0.mlp.up_proj.kernel."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path]
+    return ".".join(str(k) for k in keys if k != "value")
+
+
+def warm_start_params(params: nnx.State, path_or_name) -> nnx.State:
+    """`params` with every array taken from a converted model. Arrays must have the
+    same shapes, except the vocabulary axis of the embedding (rows) and of the output
+    head (columns), which may have grown: the source fills the leading ids and the new
+    ids keep their values from `params`."""
+    from asynclane_jax import checkpoint
+
+    source = checkpoint.load_model(checkpoint.resolve(path_or_name))
+    src = dict(jax.tree_util.tree_flatten_with_path(nnx.split(source)[1])[0])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if set(src) != {path for path, _ in flat}:
+        missing = sorted(_dotted(k) for k in {p for p, _ in flat} ^ set(src))
+        raise ValueError(f"warm start from {path_or_name}: the parameter trees differ "
+                         f"({', '.join(missing[:4])})")
+    out = []
+    for path, new in flat:
+        old = np.asarray(src[path])
+        name = _dotted(path)
+        if old.shape == new.shape:
+            out.append(jnp.asarray(old, new.dtype))
+            continue
+        axis = 0 if name == "embed" else 1 if name.startswith("lm_head.") else None
+        grown = (axis is not None and old.ndim == new.ndim == 2
+                 and old.shape[1 - axis] == new.shape[1 - axis]
+                 and old.shape[axis] <= new.shape[axis])
+        if not grown:
+            raise ValueError(f"warm start from {path_or_name}: {name} has shape {old.shape}, "
+                             f"the new model {tuple(new.shape)}")
+        index = (slice(0, old.shape[0]), slice(None)) if axis == 0 else (
+            slice(None), slice(0, old.shape[1]))
+        out.append(jnp.asarray(new).at[index].set(jnp.asarray(old, new.dtype)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 class Trainer:
     """Owns model, optimiser state, data stream, log and checkpoints of one run."""
 
@@ -356,6 +412,9 @@ class Trainer:
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._restore()
+        if tc.init_from and self.step == 0:
+            self.params = warm_start_params(self.params, tc.init_from)
+            self.opt_state = self.tx.init(self.params)
         self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed,
                                             families=tc.task_set)
         self.buckets = BucketedStream(self._stream, tc.buckets) if tc.buckets else None
