@@ -188,8 +188,8 @@ def test_a_warm_start_takes_the_source_weights_and_keeps_the_new_ids():
     head = warm["lm_head"]["kernel"].get_value()
     np.testing.assert_array_equal(head[:, :old], source["lm_head"]["kernel"].get_value())
     np.testing.assert_array_equal(head[:, old:], fresh["lm_head"]["kernel"].get_value()[:, old:])
-    layer = warm["layers"][3]["mlp"]["up_proj"]["kernel"].get_value()
-    np.testing.assert_array_equal(layer, source["layers"][3]["mlp"]["up_proj"]["kernel"].get_value())
+    up = [t["layers"][3]["mlp"]["up_proj"]["kernel"].get_value() for t in (warm, source)]
+    np.testing.assert_array_equal(*up)
 
     narrow = dataclasses.replace(tc, mlp_hidden=128)
     other = nnx.split(train.DiffusionLM(narrow.model_config(), rngs=nnx.Rngs(0)))[1]

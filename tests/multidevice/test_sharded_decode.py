@@ -1,6 +1,9 @@
 """Decoding sharded over 8 (fake CPU) devices gives the unsharded tokens, for every
-sampler, on a 2x4 (data x tensor) and a 1x8 mesh; the parameters and the K/V cache sit
-where the rules table says; heads that do not divide the tensor axis are handled."""
+sampler: on a 2x4 (data x tensor) mesh in both layer layouts (unrolled, and scanned with
+the stacked parameters' layer axis unsharded), and on a 1x8 mesh for the samplers whose
+calls differ (full and cached forwards of both families); the parameters and the K/V
+cache sit where the rules table says; heads that do not divide the tensor axis are
+handled."""
 
 from __future__ import annotations
 
@@ -13,22 +16,27 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import asynclane_jax
-from asynclane_jax import sharding
+from asynclane_jax import checkpoint, sharding
 from asynclane_jax.decoding import driver, generate
 from asynclane_jax.decoding.api import build_canvas, make_schedule
 from asynclane_jax.models import init_model, tiny_dream
 from asynclane_jax.testbed import evaluate, tasks
 
-MESHES = ("data=2,tensor=4", "data=1,tensor=8")
+MESH, WIDE = "data=2,tensor=4", "data=1,tensor=8"
 GEN = 96
 # Every registered sampler, on the shipped model of the family it was written for (the
-# shared ones on both).
+# shared ones on both). `wide`: also decoded on the 1x8 mesh (a tensor axis wider than
+# the 4 heads: attention replicated, the MLP split 8 ways); `scanned`: also decoded by
+# the scanned layout on the 2x4 mesh.
 CASES = [("tiny-llada", "vanilla", {}), ("tiny-llada", "fast-dllm", {"cache": "dual"}),
          ("tiny-llada", "fast-dllm", {"cache": "prefix"}), ("tiny-llada", "localleap", {}),
          ("tiny-llada", "asynclane", {}), ("tiny-dream", "dream", {}),
          ("tiny-dream", "fast-dllm", {"cache": "dual"}), ("tiny-dream", "asynclane", {}),
          ("tiny-llada", "d2f", {}), ("tiny-llada-block-causal", "d2f", {}),
          ("tiny-llada", "eb", {})]
+WIDE_CASES = {("tiny-llada", "vanilla"), ("tiny-llada", "asynclane"), ("tiny-dream", "dream"),
+              ("tiny-dream", "asynclane")}
+UNSCANNED = {"tiny-llada-block-causal"}  # the scanned check covers d2f on tiny-llada
 
 
 @functools.cache
@@ -41,12 +49,18 @@ def shipped(name):
 
 
 @functools.cache
+def scanned(name):
+    return checkpoint.load_model(name, mesh=MESH, scan_layers=True)
+
+
+@functools.cache
 def prompts():
     return evaluate.prompts_for(tasks.heldout(4))
 
 
 def test_every_sampler_is_covered():
     assert {s for _, s, _ in CASES} == set(asynclane_jax.decoding.samplers())
+    assert {s for _, s in WIDE_CASES} >= {"vanilla", "dream", "asynclane"}
 
 
 @pytest.mark.parametrize("name,sampler,options", CASES,
@@ -58,10 +72,15 @@ def test_sharded_tokens_equal_unsharded(name, sampler, options):
     base = generate(model, prompts(), **kw)
     if sampler != "d2f":  # the shipped models were not trained for d2f's attention
         assert np.mean([tasks.check(p, t) for p, t in zip(tasks.heldout(4), base.text)]) > 0
-    for mesh in MESHES:
-        res = generate(model, prompts(), mesh=mesh, **kw)
-        np.testing.assert_array_equal(res.tokens, base.tokens, err_msg=f"mesh {mesh}")
-        assert res.stats.nfe == base.stats.nfe
+    runs = {f"mesh {MESH}": lambda: generate(model, prompts(), mesh=MESH, **kw)}
+    if (name, sampler) in WIDE_CASES:
+        runs[f"mesh {WIDE}"] = lambda: generate(model, prompts(), mesh=WIDE, **kw)
+    if name not in UNSCANNED:
+        runs[f"scanned on {MESH}"] = lambda: generate(scanned(name), prompts(), **kw)
+    for label, run in runs.items():
+        res = run()
+        np.testing.assert_array_equal(res.tokens, base.tokens, err_msg=label)
+        assert res.stats.nfe == base.stats.nfe, label
 
 
 def _spec(plan, names, shape):
