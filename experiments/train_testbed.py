@@ -45,6 +45,13 @@ def main(argv=None):
     ap.add_argument("--long-frac", type=float, default=None,
                     help="share of batches with a 256/512-token response region "
                          "(default 0.08)")
+    ap.add_argument("--bucket-policy", choices=["smallest", "fits"], default=None,
+                    help="v2: which problems a length bucket takes: only those whose "
+                         "smallest bucket it is (default), or any that fits it (short "
+                         "answers also train with long end-of-text tails)")
+    ap.add_argument("--lines-curriculum", default=None, metavar="START,FROM,TO",
+                    help="v2: at most START working lines in chain / list until progress "
+                         "FROM, rising linearly to all at TO (e.g. 4,0,0.4)")
     ap.add_argument("--eval-every", type=float, default=600.0, help="seconds between monitors")
     ap.add_argument("--eval-n", type=int, default=None, help="problems per monitor (default 32)")
     ap.add_argument("--eval-gen-length", type=int, default=None,
@@ -86,6 +93,17 @@ def main(argv=None):
                   "t_ramp", "eval_n", "eval_gen_length"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
+    if args.bucket_policy is not None:
+        changes["bucket_policy"] = args.bucket_policy
+    if args.lines_curriculum is not None:
+        try:
+            start, ramp_from, ramp_to = (float(x) for x in args.lines_curriculum.split(","))
+            if not (start >= 1 and 0 <= ramp_from < ramp_to <= 1):
+                raise ValueError
+        except ValueError:
+            ap.error(f"--lines-curriculum {args.lines_curriculum}: expected START,FROM,TO "
+                     "with START >= 1 and 0 <= FROM < TO <= 1")
+        changes["lines_curriculum"] = (int(start), ramp_from, ramp_to)
     tc = make(**changes)
     if args.long_frac is not None:
         try:

@@ -168,3 +168,34 @@ def test_training_stream_and_buckets():
                                            or len(tok.prompt_ids(p.prompt)) > buckets[i - 1][0])
     with pytest.raises(ValueError, match="fits no length bucket"):
         train.smallest_bucket(((32, 64, 1, 1.0),), _problem("list", 30))
+
+
+def test_bucket_policies_and_the_line_count_curriculum():
+    """"fits": every bucket takes the stream's problems that fit it (short answers with
+    long end-of-text tails too); the line-count curriculum caps chain / list lines,
+    redrawing longer ones (never a held-out prompt), starts only the buckets its
+    problems can fill, and rises to every length."""
+    buckets = train.V2_BUCKETS
+    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, "v2")}
+    fits = train.BucketedStream(tasks.problem_stream(families="v2"), buckets, "fits")
+    last = fits.take(len(buckets) - 1, 40)
+    assert {"math", "code"} <= {p.family for p in last}  # short answers, 512-token region
+    assert all(train.fits_bucket(buckets[0], p) for p in fits.take(0, 20))
+
+    capped = train.BucketedStream(tasks.problem_stream(families="v2"), buckets, seed=3)
+    capped.max_lines = 4
+    assert capped.feedable() == [True, False, False, False]
+    drawn = capped.take(0, 64)
+    long = [p for p in drawn if p.family in tasks.LONG_FAMILIES]
+    assert len(long) > 16 and max(len(p.lines) - 1 for p in long) <= 4
+    assert not held & {p.prompt for p in drawn}
+    rng = np.random.default_rng(0)
+    assert all(capped.batch(rng)["tokens"].shape == (32, 96) for _ in range(5))
+    capped.max_lines = tasks.LONG_STEPS[1]
+    assert all(capped.feedable())
+
+    tc = train.v2_config("llada", lines_curriculum=(4, 0.2, 0.6))
+    assert [train.max_lines_at(tc, x) for x in (0.0, 0.2, 0.4, 0.6, 1.0)] == [4, 4, 19, 34, 34]
+    assert train.max_lines_at(train.v2_config("llada"), 0.0) == tasks.LONG_STEPS[1]
+    with pytest.raises(ValueError, match="bucket policy 'best'"):
+        train.BucketedStream(iter([]), buckets, "best")

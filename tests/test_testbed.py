@@ -209,3 +209,6 @@ def test_the_card_names_the_command_that_trains_the_run():
     assert card.train_command(warm) == (
         "python experiments/train_testbed.py --model tiny-dream --minutes 72 --init-from "
         "tiny-dream --t-max-start 0.25 --t-ramp 0.1 --task-set v2")
+    staged = train.v2_config("llada", bucket_policy="fits", lines_curriculum=(4, 0.45, 0.8))
+    assert card.train_command(staged.to_dict()).endswith(
+        "--task-set v2 --bucket-policy fits --lines-curriculum 4,0.45,0.8")

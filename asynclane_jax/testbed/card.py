@@ -30,11 +30,17 @@ def _examples(sample: list[tasks.Problem], families=tasks.FAMILIES) -> list[str]
 
 
 def _curriculum(tc: dict) -> str:
-    if not tc.get("t_ramp"):
-        return ""
-    return (f" Mask-ratio curriculum: t ~ U(ε, t_max] with t_max rising linearly from "
-            f"{tc['t_max_start']:g} to 1 over the first {100 * tc['t_ramp']:g}% of the "
-            "budget, so that early batches mask few tokens.")
+    out = ""
+    if tc.get("t_ramp"):
+        out += (f" Mask-ratio curriculum: t ~ U(ε, t_max] with t_max rising linearly from "
+                f"{tc['t_max_start']:g} to 1 over the first {100 * tc['t_ramp']:g}% of the "
+                "budget, so that early batches mask few tokens.")
+    if tc.get("lines_curriculum"):
+        start, ramp_from, ramp_to = tc["lines_curriculum"]
+        out += (f" Line-count curriculum: chain and list problems have at most {start:g} "
+                f"working lines until {100 * ramp_from:g}% of the budget, rising linearly "
+                f"to all of them at {100 * ramp_to:g}% (longer ones are redrawn shorter).")
+    return out
 
 
 def _curriculum_flags(tc: dict) -> str:
@@ -44,7 +50,12 @@ def _curriculum_flags(tc: dict) -> str:
     from asynclane_jax.testbed.train import long_frac
 
     if tc.get("buckets"):
-        return flags + f" --task-set {tc.get('task_set', 'v1')}"
+        flags += f" --task-set {tc.get('task_set', 'v1')}"
+        if tc.get("bucket_policy", "smallest") != "smallest":
+            flags += f" --bucket-policy {tc['bucket_policy']}"
+        if tc.get("lines_curriculum"):
+            flags += " --lines-curriculum " + ",".join(f"{x:g}" for x in tc["lines_curriculum"])
+        return flags
     return flags + f" --long-frac {long_frac(tc['regions']):g}"
 
 

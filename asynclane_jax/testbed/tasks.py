@@ -247,6 +247,11 @@ def _heldout_prompts(families: tuple[str, ...]) -> frozenset[str]:
     return frozenset(p.prompt for p in heldout(HELDOUT_POOL, families))
 
 
+def is_heldout(prompt: str, families=FAMILIES) -> bool:
+    """Whether a prompt is one of the held-out problems of a task set."""
+    return prompt in _heldout_prompts(_families(families))
+
+
 def problem_stream(seed: int = TRAIN_SEED, families=FAMILIES):
     """An endless training stream that never yields a held-out prompt of its task set."""
     families = _families(families)

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import random
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,14 @@ class TrainConfig:
     # fits, and a batch of a bucket holds only problems whose smallest bucket it is.
     task_set: str = "v1"
     buckets: tuple | None = None
+    # Which problems a length bucket takes: "smallest" (only those whose smallest bucket
+    # it is) or "fits" (any problem that fits it, so short answers also train with the
+    # long end-of-text tails a long generation gives them).
+    bucket_policy: str = "smallest"
+    # Line-count curriculum of the long families (chain, list): (start, ramp_from,
+    # ramp_to): at most `start` working lines until progress ramp_from, rising linearly
+    # to all of them (tasks.LONG_STEPS) at ramp_to. None: off.
+    lines_curriculum: tuple | None = None
     lr: float = 2e-3
     min_lr_ratio: float = 0.03
     warmup_steps: int = 200
@@ -122,6 +131,8 @@ class TrainConfig:
         d["regions"] = [list(r) for r in self.regions]
         if self.buckets is not None:
             d["buckets"] = [list(b) for b in self.buckets]
+        if self.lines_curriculum is not None:
+            d["lines_curriculum"] = list(self.lines_curriculum)
         return d
 
     @property
@@ -217,25 +228,78 @@ def smallest_bucket(buckets, problem: tasks.Problem) -> int:
                      f"{n_resp}) fits no length bucket of {[b[:2] for b in buckets]}")
 
 
+def fits_bucket(bucket, problem: tasks.Problem) -> bool:
+    """Whether a problem fits a bucket (prompt length, region, ...): its chat prompt
+    within the prompt length, its response strictly shorter than the region."""
+    return (len(tok.prompt_ids(problem.prompt)) <= bucket[0]
+            and len(tok.split_words(problem.response)) < bucket[1])
+
+
+POLICIES = ("smallest", "fits")
+
+
 class BucketedStream:
     """Sorts a problem stream into length buckets: `batch(rng)` draws a bucket by its
-    probability and returns a batch of problems whose smallest bucket it is (problems
-    drawn for other buckets wait in their queues, so none is thrown away)."""
+    probability and returns a batch of it.
 
-    def __init__(self, stream, buckets):
+    policy "smallest": a bucket's problems are those whose smallest bucket it is
+    (problems drawn for other buckets wait in their queues, so none is thrown away).
+    policy "fits": a bucket takes the stream's next problems that fit it (the others
+    are skipped), so every bucket sees the stream's mix of families up to its length.
+    `max_lines` (the line-count curriculum): a chain / list problem with more working
+    lines is replaced by one of its family with a line count drawn uniformly up to
+    max_lines (never a held-out prompt of `families`).
+    """
+
+    def __init__(self, stream, buckets, policy: str = "smallest", *, families="v2",
+                 seed: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"bucket policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.stream, self.buckets = stream, tuple(tuple(b) for b in buckets)
+        self.policy, self.families = policy, families
+        self.max_lines = tasks.LONG_STEPS[1]
         self.queues: list[list[tasks.Problem]] = [[] for _ in self.buckets]
+        self._rng = random.Random(seed)
+
+    def _next(self) -> tasks.Problem:
+        p = next(self.stream)
+        if p.family not in tasks.LONG_FAMILIES or len(p.lines) - 1 <= self.max_lines:
+            return p
+        while True:
+            n = self._rng.randint(tasks.LONG_STEPS[0], max(tasks.LONG_STEPS[0], self.max_lines))
+            q = tasks.MAKERS[p.family](self._rng, n)
+            if not tasks.is_heldout(q.prompt, self.families):
+                return q
 
     def take(self, index: int, rows: int) -> list[tasks.Problem]:
+        if self.policy == "fits":
+            out = []
+            while len(out) < rows:
+                p = self._next()
+                if fits_bucket(self.buckets[index], p):
+                    out.append(p)
+            return out
         queue = self.queues[index]
         while len(queue) < rows:
-            p = next(self.stream)
+            p = self._next()
             self.queues[smallest_bucket(self.buckets, p)].append(p)
         out, self.queues[index] = queue[:rows], queue[rows:]
         return out
 
+    def feedable(self) -> list[bool]:
+        """Which buckets can be filled while the curriculum caps the line count: under
+        "smallest", a bucket whose problems are all longer than the longest chain / list
+        now allowed (and than every math / code problem) gets none."""
+        if self.policy == "fits" or self.max_lines >= tasks.LONG_STEPS[1]:
+            return [True] * len(self.buckets)
+        rng = random.Random(0)
+        longest = [tasks.MAKERS[f](rng, self.max_lines) for f in tasks.LONG_FAMILIES]
+        longest += [tasks.MAKERS[f](rng) for f in ("math", "code")]
+        reach = max(smallest_bucket(self.buckets, q) for q in longest)
+        return [i <= reach for i in range(len(self.buckets))]
+
     def batch(self, rng: np.random.Generator, attended_pad_frac: float = 0.0) -> dict:
-        probs = np.array([b[3] for b in self.buckets], float)
+        probs = np.array([b[3] for b in self.buckets], float) * self.feedable()
         index = int(rng.choice(len(self.buckets), p=probs / probs.sum()))
         p_len, region, rows, _ = self.buckets[index]
         return make_batch(iter(self.take(index, rows)), rows, region, p_len, rng,
@@ -299,6 +363,21 @@ def t_max_at(tc: TrainConfig, progress: float) -> float:
         return 1.0
     frac = max(progress, 0.0) / tc.t_ramp
     return tc.t_max_start + (1.0 - tc.t_max_start) * frac
+
+
+def max_lines_at(tc: TrainConfig, progress: float) -> int:
+    """The most working lines a chain / list problem may have at a point of the budget
+    (the line-count curriculum; every length when it is off)."""
+    most = tasks.LONG_STEPS[1]
+    if not tc.lines_curriculum:
+        return most
+    start, ramp_from, ramp_to = tc.lines_curriculum
+    if progress <= ramp_from:
+        return int(start)
+    if progress >= ramp_to:
+        return most
+    frac = (progress - ramp_from) / (ramp_to - ramp_from)
+    return int(round(start + (most - start) * frac))
 
 
 def make_train_step(graphdef, tx, t_eps: float) -> Callable:
@@ -417,7 +496,9 @@ class Trainer:
             self.opt_state = self.tx.init(self.params)
         self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed,
                                             families=tc.task_set)
-        self.buckets = BucketedStream(self._stream, tc.buckets) if tc.buckets else None
+        self.buckets = (BucketedStream(self._stream, tc.buckets, tc.bucket_policy,
+                                       families=tc.task_set, seed=tc.seed + self.step)
+                        if tc.buckets else None)
         self._rng = np.random.default_rng(tc.seed + self.step)
 
     # -- checkpoints
@@ -482,6 +563,7 @@ class Trainer:
 
     def next_batch(self) -> dict:
         if self.buckets is not None:
+            self.buckets.max_lines = max_lines_at(self.tc, self.progress())
             return self.buckets.batch(self._rng, self.tc.attended_pad_frac)
         return sample_batch(self._stream, self.tc.regions, self.tc.prompt_length, self._rng,
                             self.tc.attended_pad_frac)
@@ -502,6 +584,7 @@ class Trainer:
         self.step += 1
         rec = {"step": self.step, "t": round(self.elapsed, 2), "lr": lr,
                "t_max": round(t_max, 4),
+               **({"max_lines": self.buckets.max_lines} if self.tc.lines_curriculum else {}),
                "region": int(batch["response"][0].sum()),
                **{k: round(v, 5) for k, v in aux.items()}}
         self.history.append(rec)
