@@ -40,6 +40,8 @@ FORMAT = "asynclane-jax"
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
+# config.json's key for weights stored quantized ("int8": int8 kernels and their scales).
+QUANTIZATION_KEY = "quantization"
 DIGESTS_FILE = "digests.json"
 COMMIT_MARKER = "commit_success.txt"  # orbax's completion marker in params/
 COMMIT_MARKER_TEXT = "Checkpoint commit was successful"
@@ -358,6 +360,9 @@ def save(folder: str | os.PathLike, model: DiffusionLM, *, hf_config: dict | Non
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass overwrite=True to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    stored = quantize_lib.quantization_of(model)
+    if stored is not None:
+        extra = {**(extra or {}), QUANTIZATION_KEY: stored}
     tmp = None
     try:
         with signals_held():
@@ -410,6 +415,24 @@ def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"{path}: {e}") from None
 
 
+def stored_quantization(data: dict) -> str | None:
+    """The quantization a folder's weights are stored in (config.json's
+    "quantization": "int8" when the converter or `save` wrote int8 kernels with their
+    scales), None for float weights.
+
+    Raises:
+      CheckpointError for a value this version cannot read.
+    """
+    value = data.get(QUANTIZATION_KEY)
+    if value is None:
+        return None
+    try:
+        return quantize_lib.check_mode(value)
+    except quantize_lib.QuantizeError:
+        raise CheckpointError(f"config.json: {QUANTIZATION_KEY} {show(value)}; this "
+                              f"asynclane-jax reads {', '.join(quantize_lib.MODES)}") from None
+
+
 def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
                mesh=None, verify: bool | None = None,
                scan_layers: bool | None = None, quantize: str | None = None) -> DiffusionLM:
@@ -439,7 +462,9 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
       quantize: "int8" for int8 weights with per-channel scales in every linear layer
         (asynclane_jax.models.quantize); each kernel is quantized on its device as soon
         as it is read (on one device no whole float copy of the weights is ever held;
-        on a mesh orbax reads the float shards first); None or "none": as stored.
+        on a mesh orbax reads the float shards first); None or "none": as stored. A
+        folder stored in int8 (`convert --quantize int8`) is read as it is, with either
+        value: its float weights are not there to go back to.
     Raises:
       CheckpointError for a folder whose parameters do not match its config or their
       digests (naming the array), and for a mesh that cannot be used (wrong device
@@ -447,7 +472,8 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     """
     mode = quantize_lib.check_mode(quantize)
     folder = resolve(folder)
-    cfg, _ = read_config(folder)
+    cfg, data = read_config(folder)
+    stored_mode = stored_quantization(data)
     verify = _verify_by_default() if verify is None else verify
     digests = read_digests(folder) if verify else None
     if dtype is not None:
@@ -459,17 +485,24 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     template = nnx.to_pure_dict(abs_state)
     target = _target(cfg, abs_state, mesh)
     read_target, on_read = target, None
-    if mode is not None:  # the float kernels are read, each quantized as it arrives
-        graphdef, abs_state = nnx.split(
-            quantize_lib.abstract_quantized(nnx.merge(graphdef, abs_state), mode))
+    if stored_mode is not None or mode is not None:
+        graphdef, abs_state = nnx.split(quantize_lib.abstract_quantized(
+            nnx.merge(graphdef, abs_state), stored_mode or mode))
         template = nnx.to_pure_dict(abs_state)
         target = _target(cfg, abs_state, mesh)
-        on_read = _quantize_kernel
+        if stored_mode is None:  # the float kernels are read, each quantized as it arrives
+            on_read = _quantize_kernel
+        else:  # int8 kernels and their scales, read as stored
+            read_target = target
     if stored_cfg.scan_layers == cfg.scan_layers:
         restored = restore_params(folder / PARAMS_DIR, read_target, digests=digests,
                                   on_read=on_read)
     else:  # read in the stored layout, then stack or split the layers on their devices
-        stored_target = _target(stored_cfg, nnx.split(abstract_model(stored_cfg))[1], mesh)
+        stored_state = nnx.split(abstract_model(stored_cfg))[1]
+        if stored_mode is not None:
+            stored_state = nnx.split(quantize_lib.abstract_quantized(
+                abstract_model(stored_cfg), stored_mode))[1]
+        stored_target = _target(stored_cfg, stored_state, mesh)
         restored = relayout_params(
             restore_params(folder / PARAMS_DIR, stored_target, digests=digests,
                            on_read=on_read),

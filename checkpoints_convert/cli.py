@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scan-layers", action="store_true",
                    help="store the layers stacked ([L, ...] per tensor) for the scanned "
                         "layer loop; load reads either layout into either")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="int8: store the linear layers' kernels as int8 with one scale per "
+                        "output channel (what load(..., quantize='int8') computes; about "
+                        "half the bytes of bfloat16); default none")
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--verify", action="store_true",
                    help="compare logits with transformers' Llama/Qwen2 (is_causal=False) "
@@ -53,7 +57,7 @@ def run(args) -> int:
         result = conv.convert(args.src, args.dst, dtype=args.dtype, lora=args.lora,
                               force=args.force, progress=not args.no_progress,
                               block_causal=args.block_causal,
-                              scan_layers=args.scan_layers)
+                              scan_layers=args.scan_layers, quantize=args.quantize)
         try:
             print(result.summary())
             return _verify(args, result) if args.verify else 0

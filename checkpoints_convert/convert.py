@@ -74,14 +74,16 @@ class ConvertResult:
     output_bytes: int
     lora_tensors: int
     seconds: float
+    quantize: str | None = None
 
     def summary(self) -> str:
         merged = f", {self.lora_tensors} LoRA-merged" if self.lora_tensors else ""
+        kernels = f", {self.quantize} kernels" if self.quantize else ""
         return (f"converted {self.cfg.family}: {self.n_tensors} tensors{merged} "
                 f"({self.n_params:,} parameters) from {self.n_shards} {self.source_kind} "
                 f"shard(s), {self.source_bytes / 2**30:.2f} GiB -> "
                 f"{checkpoint.printable(self.dst)} "
-                f"({self.cfg.param_dtype}, {self.output_bytes / 2**30:.2f} GiB) "
+                f"({self.cfg.param_dtype}{kernels}, {self.output_bytes / 2**30:.2f} GiB) "
                 f"in {self.seconds:.1f} s")
 
 
@@ -302,7 +304,7 @@ def check_tokenizer_files(folder: pathlib.Path) -> None:
 def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
             lora: str | None = None, force: bool = False, progress: bool = True,
             cache_dir: str | None = None, block_causal: bool = False,
-            scan_layers: bool = False,
+            scan_layers: bool = False, quantize: str | None = None,
             on_tensor: Callable[[str], None] | None = None) -> ConvertResult:
     """Converts a Hugging Face LLaDA / Dream snapshot into a converted folder.
 
@@ -317,6 +319,10 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
       scan_layers: write the stacked layer layout (`ModelConfig.scan_layers`: every
         layer tensor stacked into one [L, ...] array, `layers.<name>`); default the
         unrolled one (`layers.<i>.<name>`). `load` reads either into either.
+      quantize: "int8": store every linear layer's kernel as int8 with one float32
+        scale per output channel (asynclane_jax.models.quantize, the numbers
+        `load(..., quantize="int8")` computes from the float folder), recorded in
+        config.json; about half the bytes of bfloat16. None: the float weights.
       force: replace an existing converted folder at `dst`.
       progress: show a tqdm bar (bytes of tensors done / total) on stderr.
       cache_dir: Hugging Face cache to look hub ids up in (default: the usual one).
@@ -328,12 +334,37 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
     with sigterm_as_interrupt():
         return _convert(src, dst, dtype=dtype, lora=lora, force=force, progress=progress,
                         cache_dir=cache_dir, block_causal=block_causal,
-                        scan_layers=scan_layers, on_tensor=on_tensor)
+                        scan_layers=scan_layers, quantize=quantize, on_tensor=on_tensor)
+
+
+def quantize_kernels(params: dict, digests: dict, mode: str) -> dict:
+    """Every `kernel` of a parameter dict replaced by its int8 values and a `scale`
+    beside it (quantize.int8_weights), one kernel at a time; `digests` (dotted name ->
+    entry) updated to what is stored."""
+    from asynclane_jax.models import quantize as quantize_lib
+
+    def walk(tree, prefix):
+        for key in list(tree):
+            value, name = tree[key], f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            elif key == "kernel":
+                values, scale = (np.asarray(x) for x in quantize_lib.int8_weights(value))
+                tree["kernel"], tree["scale"] = values, scale
+                digests[name] = checkpoint.digest_entry(values)
+                digests[f"{prefix}scale"] = checkpoint.digest_entry(scale)
+
+    quantize_lib.check_mode(mode)
+    walk(params, "")
+    return params
 
 
 def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
-             scan_layers, on_tensor) -> ConvertResult:
+             scan_layers, quantize, on_tensor) -> ConvertResult:
+    from asynclane_jax.models import quantize as quantize_lib
+
     t0 = time.perf_counter()
+    quantize = quantize_lib.check_mode(quantize)
     dst = reader.user_path(dst).absolute()
     src_path = reader.user_path(src)
     try:
@@ -394,6 +425,10 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
             "lora": adapter.summary() if adapter else None,
             "lora_config": adapter.config if adapter else None}}
         cfg = cfg.replace(block_causal=block_causal, scan_layers=bool(scan_layers))
+        if quantize is not None:  # layer by layer, as load(quantize=) does it
+            params = quantize_kernels(params, digests, quantize)
+            extra[checkpoint.QUANTIZATION_KEY] = quantize
+            out_bytes = sum(v.nbytes for v in checkpoint.flat_arrays(params).values())
         if scan_layers:  # one stacked array per layer tensor; their digests as stored
             params = stack_layer_params(params, cfg.n_layers)
             digests = {k: v for k, v in digests.items() if not k.startswith("layers.")}
@@ -415,7 +450,7 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
         raise
     inspector.shutdown(wait=True)
     return ConvertResult(dst, cfg, snap.kind, len(snap.shards), len(assignments), n_params,
-                         total, out_bytes, merged, time.perf_counter() - t0)
+                         total, out_bytes, merged, time.perf_counter() - t0, quantize)
 
 
 def _refuse_nonfinite(checks: Mapping[str, concurrent.futures.Future], adapter) -> None:

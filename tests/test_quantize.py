@@ -138,3 +138,83 @@ def test_aot_int8_arguments_are_int8():
                                            rngs=nnx.Rngs(0)))))
     # One byte instead of two per linear weight, plus a float32 scale per output channel.
     assert report.param_bytes == bf16 - linear + 4 * scales
+
+
+# ------------------------------------------------------------ int8 stored by the converter
+
+def _convert(tmp_path, name, *flags):
+    import hf_reference as H
+
+    from checkpoints_convert.cli import main as convert_main
+
+    src = tmp_path / "src"
+    if not src.exists():
+        hf = H.llada_hf_config()
+        H.write_checkpoint(src, hf, H.random_tensors(hf, seed=4), layout="single")
+    assert convert_main([str(src), str(tmp_path / name), "--no-progress", *flags]) == 0
+    return tmp_path / name
+
+
+def _pure(model) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model)))[0]
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+def test_converter_stores_int8_that_loads_as_the_load_time_quantization(tmp_path):
+    """`convert --quantize int8` stores int8 kernels and their scales (config.json says
+    so; digests checked on load): loading it gives exactly what load(quantize="int8")
+    makes of the float folder, in either layer layout, with or without quantize=."""
+    import json
+
+    from asynclane_jax import checkpoint
+
+    float_dir = _convert(tmp_path, "f32", "--dtype", "float32")
+    int8_dir = _convert(tmp_path, "int8", "--dtype", "float32", "--quantize", "int8")
+    stacked_dir = _convert(tmp_path, "int8-stacked", "--dtype", "float32", "--quantize",
+                           "int8", "--scan-layers")
+    assert json.loads((int8_dir / "config.json").read_text())["quantization"] == "int8"
+    assert "quantization" not in json.loads((float_dir / "config.json").read_text())
+    stored = {d: json.loads((d / "digests.json").read_text())["arrays"]
+              for d in (float_dir, int8_dir)}
+    kernels = [k for k in stored[float_dir] if k.endswith("kernel")]
+    assert kernels and all(stored[int8_dir][k]["dtype"] == "int8" for k in kernels)
+    assert all(stored[float_dir][k]["dtype"] == "float32" for k in kernels)
+    assert all(stored[int8_dir][k[:-len("kernel")] + "scale"]["dtype"] == "float32"
+               for k in kernels)
+
+    want = _pure(checkpoint.load_model(float_dir, quantize="int8", verify=False))
+    for folder, kw in [(int8_dir, {}), (int8_dir, {"quantize": "int8"}),
+                       (stacked_dir, {"scan_layers": False})]:
+        model = checkpoint.load_model(folder, verify=True, **kw)
+        assert quantize.quantization_of(model) == "int8"
+        got = _pure(model)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype, k
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{folder.name} {k}")
+    stacked = checkpoint.load_model(stacked_dir)
+    assert stacked.cfg.scan_layers and stacked.layers.mlp.up_proj.kernel[...].dtype == jnp.int8
+    tokens = jnp.asarray([[5, 9, 2, 7]])
+    ref = checkpoint.load_model(float_dir, quantize="int8")
+    np.testing.assert_allclose(np.asarray(stacked(tokens)), np.asarray(ref(tokens)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_saved_quantized_model_round_trips_and_bad_mode_is_refused(tmp_path):
+    import json
+
+    from asynclane_jax import checkpoint
+    from asynclane_jax.checkpoint import CheckpointError
+
+    model = quantize.quantize_model(init_model(tiny_llada(), seed=2))
+    folder = checkpoint.save(tmp_path / "q", model)
+    assert json.loads((folder / "config.json").read_text())["quantization"] == "int8"
+    back = checkpoint.load_model(folder)
+    a, b = _pure(model), _pure(back)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization"] = "int4"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quantization 'int4'; this asynclane-jax "
+                                              "reads int8"):
+        checkpoint.load_model(folder)
