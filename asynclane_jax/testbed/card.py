@@ -154,7 +154,10 @@ def _shapes(tc: dict) -> str:
     if tc.get("buckets"):
         return ("Length buckets (prompt tokens + response region × rows, probability of "
                 "a step): " + ", ".join(f"{b[0]}+{b[1]}×{b[2]} ({b[3]})" for b in tc["buckets"])
-                + "; a problem goes to the smallest bucket it fits, prompts left-padded.")
+                + ("; a bucket takes any problem that fits it (short answers train with long "
+                   "end-of-text tails too)" if tc.get("bucket_policy") == "fits" else
+                   "; a problem goes to the smallest bucket it fits")
+                + ", prompts left-padded.")
     return ("Batch shapes (response region, rows, probability): "
             + ", ".join(f"{r[0]}×{r[1]} ({r[2]})" for r in tc["regions"])
             + f"; prompts left-padded to {tc['prompt_length']}.")
