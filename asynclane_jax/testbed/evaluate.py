@@ -230,8 +230,6 @@ def check_resumable(previous: dict, settings: dict, n: int) -> None:
 def write_json(path, obj) -> None:
     """Writes JSON through a temporary file, so an interrupted write leaves the last
     whole file in place."""
-    import os
-
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
