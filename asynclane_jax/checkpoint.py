@@ -498,11 +498,10 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         restored = restore_params(folder / PARAMS_DIR, read_target, digests=digests,
                                   on_read=on_read)
     else:  # read in the stored layout, then stack or split the layers on their devices
-        stored_state = nnx.split(abstract_model(stored_cfg))[1]
+        stored_model = abstract_model(stored_cfg)
         if stored_mode is not None:
-            stored_state = nnx.split(quantize_lib.abstract_quantized(
-                abstract_model(stored_cfg), stored_mode))[1]
-        stored_target = _target(stored_cfg, stored_state, mesh)
+            stored_model = quantize_lib.abstract_quantized(stored_model, stored_mode)
+        stored_target = _target(stored_cfg, nnx.split(stored_model)[1], mesh)
         restored = relayout_params(
             restore_params(folder / PARAMS_DIR, stored_target, digests=digests,
                            on_read=on_read),

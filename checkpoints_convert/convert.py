@@ -339,8 +339,9 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
 
 def quantize_kernels(params: dict, digests: dict, mode: str) -> dict:
     """Every `kernel` of a parameter dict replaced by its int8 values and a `scale`
-    beside it (quantize.int8_weights), one kernel at a time; `digests` (dotted name ->
-    entry) updated to what is stored."""
+    beside it, one kernel at a time, by the function `load(..., quantize="int8")` uses
+    (quantize.quantize_array); `digests` (dotted name -> entry) updated to what is
+    stored."""
     from asynclane_jax.models import quantize as quantize_lib
 
     def walk(tree, prefix):
@@ -349,7 +350,7 @@ def quantize_kernels(params: dict, digests: dict, mode: str) -> dict:
             if isinstance(value, dict):
                 walk(value, name + ".")
             elif key == "kernel":
-                values, scale = (np.asarray(x) for x in quantize_lib.int8_weights(value))
+                values, scale = (np.asarray(x) for x in quantize_lib.quantize_array(value))
                 tree["kernel"], tree["scale"] = values, scale
                 digests[name] = checkpoint.digest_entry(values)
                 digests[f"{prefix}scale"] = checkpoint.digest_entry(scale)

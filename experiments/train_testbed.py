@@ -90,11 +90,9 @@ def main(argv=None):
         if source_family != family:
             ap.error(f"--init-from {args.init_from}: a {source_family} model, not {family}")
     for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias", "t_max_start",
-                  "t_ramp", "eval_n", "eval_gen_length"):
+                  "t_ramp", "eval_n", "eval_gen_length", "bucket_policy"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
-    if args.bucket_policy is not None:
-        changes["bucket_policy"] = args.bucket_policy
     if args.lines_curriculum is not None:
         try:
             start, ramp_from, ramp_to = (float(x) for x in args.lines_curriculum.split(","))

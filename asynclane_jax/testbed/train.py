@@ -260,6 +260,7 @@ class BucketedStream:
         self.max_lines = tasks.LONG_STEPS[1]
         self.queues: list[list[tasks.Problem]] = [[] for _ in self.buckets]
         self._rng = random.Random(seed)
+        self._reach: dict[int, int] = {}  # max_lines -> the last bucket it can fill
 
     def _next(self) -> tasks.Problem:
         p = next(self.stream)
@@ -292,11 +293,13 @@ class BucketedStream:
         now allowed (and than every math / code problem) gets none."""
         if self.policy == "fits" or self.max_lines >= tasks.LONG_STEPS[1]:
             return [True] * len(self.buckets)
-        rng = random.Random(0)
-        longest = [tasks.MAKERS[f](rng, self.max_lines) for f in tasks.LONG_FAMILIES]
-        longest += [tasks.MAKERS[f](rng) for f in ("math", "code")]
-        reach = max(smallest_bucket(self.buckets, q) for q in longest)
-        return [i <= reach for i in range(len(self.buckets))]
+        if self.max_lines not in self._reach:
+            rng = random.Random(0)
+            longest = [tasks.MAKERS[f](rng, self.max_lines) for f in tasks.LONG_FAMILIES]
+            longest += [tasks.MAKERS[f](rng) for f in ("math", "code")]
+            self._reach[self.max_lines] = max(smallest_bucket(self.buckets, q)
+                                              for q in longest)
+        return [i <= self._reach[self.max_lines] for i in range(len(self.buckets))]
 
     def batch(self, rng: np.random.Generator, attended_pad_frac: float = 0.0) -> dict:
         probs = np.array([b[3] for b in self.buckets], float) * self.feedable()
@@ -465,9 +468,8 @@ def warm_start_params(params: nnx.State, path_or_name) -> nnx.State:
         if not grown:
             raise ValueError(f"warm start from {path_or_name}: {name} has shape {old.shape}, "
                              f"the new model {tuple(new.shape)}")
-        index = (slice(0, old.shape[0]), slice(None)) if axis == 0 else (
-            slice(None), slice(0, old.shape[1]))
-        out.append(jnp.asarray(new).at[index].set(jnp.asarray(old, new.dtype)))
+        leading = tuple(slice(0, n) for n in old.shape)
+        out.append(jnp.asarray(new).at[leading].set(jnp.asarray(old, new.dtype)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
