@@ -52,6 +52,13 @@ def main(argv=None):
     ap.add_argument("--lines-curriculum", default=None, metavar="START,FROM,TO",
                     help="v2: at most START working lines in chain / list until progress "
                          "FROM, rising linearly to all at TO (e.g. 4,0,0.4)")
+    ap.add_argument("--shuffle-statements", type=float, default=None, metavar="P",
+                    help="v2: probability that a chain / list training problem lists its "
+                         "statements in a random order, so they are found only by label "
+                         "(default 0)")
+    ap.add_argument("--name", default=None,
+                    help="the run's and the shipped model's name (default: tiny-llada, "
+                         "tiny-dream, or with -v2 for the task set v2)")
     ap.add_argument("--eval-every", type=float, default=600.0, help="seconds between monitors")
     ap.add_argument("--eval-n", type=int, default=None, help="problems per monitor (default 32)")
     ap.add_argument("--eval-gen-length", type=int, default=None,
@@ -90,7 +97,8 @@ def main(argv=None):
         if source_family != family:
             ap.error(f"--init-from {args.init_from}: a {source_family} model, not {family}")
     for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias", "t_max_start",
-                  "t_ramp", "eval_n", "eval_gen_length", "bucket_policy"):
+                  "t_ramp", "eval_n", "eval_gen_length", "bucket_policy", "shuffle_statements",
+                  "name"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
     if args.lines_curriculum is not None:

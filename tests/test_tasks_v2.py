@@ -199,3 +199,52 @@ def test_bucket_policies_and_the_line_count_curriculum():
     assert train.max_lines_at(train.v2_config("llada"), 0.0) == tasks.LONG_STEPS[1]
     with pytest.raises(ValueError, match="bucket policy 'best'"):
         train.BucketedStream(iter([]), buckets, "best")
+
+
+def _statements(prompt: str) -> list[str]:
+    words = prompt.split(" ")
+    starts = [i for i, w in enumerate(words) if tasks._is_label(w)] + [words.index(".")]
+    return [" ".join(words[a:b]) for a, b in zip(starts, starts[1:])]
+
+
+def test_shuffled_statements_keep_the_problem_and_are_graded_the_same():
+    """The augmentation permutes a chain / list prompt's labelled statements (every one
+    kept whole, the header and the end unchanged); the response, the answer and so the
+    grading stay; math and code come back as they are."""
+    rng = random.Random(5)
+    orders = set()
+    for family in tasks.LONG_FAMILIES:
+        for _ in range(20):
+            p = tasks.MAKERS[family](rng, 6)
+            q = tasks.shuffle_statements(p, rng)
+            before, after = _statements(p.prompt), _statements(q.prompt)
+            assert sorted(before) == sorted(after) and len(after) == 6
+            assert q.prompt.split(" (")[0] == p.prompt.split(" (")[0]
+            assert q.prompt.rsplit(" .", 1)[1] == p.prompt.rsplit(" .", 1)[1]
+            assert (q.response, q.answer, q.family) == (p.response, p.answer, p.family)
+            assert tasks.check(q, p.response + " <|endoftext|>")
+            orders.add(tuple(s.split(" ")[0] for s in after))
+    assert len(orders) > 30  # the orders really vary
+    for family in ("math", "code"):
+        p = tasks.MAKERS[family](rng)
+        assert tasks.shuffle_statements(p, rng) is p
+
+
+def test_bucketed_stream_shuffles_at_its_rate():
+    """shuffle=P: about a share P of the chain / list problems a bucket takes come with
+    their statements out of order; none is a held-out prompt; 0 leaves every one."""
+    def share(p):
+        bs = train.BucketedStream(tasks.problem_stream(families="v2"), train.V2_BUCKETS,
+                                  "fits", seed=1, shuffle=p)
+        long = [q for q in bs.take(len(train.V2_BUCKETS) - 1, 200)
+                if q.family in tasks.LONG_FAMILIES and len(q.lines) > 8]
+        held = {h.prompt for h in tasks.heldout(tasks.HELDOUT_POOL, "v2")}
+        assert not held & {q.prompt for q in long}
+        labels = [[s.split(" ")[0] for s in _statements(q.prompt)] for q in long]
+        return np.mean([lab != sorted(lab, key=lambda w: int(w[1:-1])) for lab in labels])
+
+    assert share(0.0) == 0.0
+    assert 0.35 < share(0.5) < 0.65
+    assert share(1.0) == 1.0
+    with pytest.raises(ValueError, match="shuffle probability 1.5"):
+        train.BucketedStream(iter([]), train.V2_BUCKETS, shuffle=1.5)

@@ -212,6 +212,10 @@ def test_the_card_names_the_command_that_trains_the_run():
     staged = train.v2_config("llada", bucket_policy="fits", lines_curriculum=(4, 0.45, 0.8))
     assert card.train_command(staged.to_dict()).endswith(
         "--task-set v2 --bucket-policy fits --lines-curriculum 4,0.45,0.8")
+    named = train.v2_config("llada", name="tiny-llada-v2s", shuffle_statements=0.5).to_dict()
+    command = card.train_command(named)
+    assert "--minutes 55 --name tiny-llada-v2s " in command
+    assert command.endswith("--task-set v2 --shuffle-statements 0.5")
 
 
 @pytest.mark.slow

@@ -40,6 +40,10 @@ def _curriculum(tc: dict) -> str:
         out += (f" Line-count curriculum: chain and list problems have at most {start:g} "
                 f"working lines until {100 * ramp_from:g}% of the budget, rising linearly "
                 f"to all of them at {100 * ramp_to:g}% (longer ones are redrawn shorter).")
+    if tc.get("shuffle_statements"):
+        out += (f" Statement order: {100 * tc['shuffle_statements']:g}% of the chain and list "
+                "training problems list their statements in a random order (the answer "
+                "keeps label order), so a line's statement can be found only by its label.")
     return out
 
 
@@ -55,6 +59,8 @@ def _curriculum_flags(tc: dict) -> str:
             flags += f" --bucket-policy {tc['bucket_policy']}"
         if tc.get("lines_curriculum"):
             flags += " --lines-curriculum " + ",".join(f"{x:g}" for x in tc["lines_curriculum"])
+        if tc.get("shuffle_statements"):
+            flags += f" --shuffle-statements {tc['shuffle_statements']:g}"
         return flags
     return flags + f" --long-frac {long_frac(tc['regions']):g}"
 
@@ -126,6 +132,8 @@ def train_command(tc: dict) -> str:
     """The experiments/train_testbed.py command that trains a run of this config."""
     base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
     flags = [f"--model {base}", f"--minutes {tc['minutes']:g}"]
+    if tc["name"] not in (base, f"{base}-v2"):
+        flags.append(f"--name {tc['name']}")
     if tc.get("init_from"):
         flags.append(f"--init-from {tc['init_from']}")  # it sets the architecture
     else:

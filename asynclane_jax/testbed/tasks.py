@@ -188,6 +188,29 @@ make_chain = functools.partial(_make_long, "chain")
 make_list = functools.partial(_make_long, "list")
 
 
+def _is_label(token: str) -> bool:
+    return len(token) > 2 and token[0] == "(" and token[-1] == ")" and token[1:-1].isdigit()
+
+
+def shuffle_statements(problem: Problem, rng: random.Random) -> Problem:
+    """A chain / list problem whose prompt lists its labelled statements in a random
+    order (the response, still in label order, and the answer are unchanged).
+
+    A training augmentation: with the statements in order, the first lines' statements
+    sit at offsets a model can find by position; shuffled, a line's statement can only
+    be found by its label. Other families are returned as they are.
+    """
+    if problem.family not in LONG_FAMILIES:
+        return problem
+    words = problem.prompt.split(" ")
+    starts = [i for i, w in enumerate(words) if _is_label(w)]
+    end = words.index(".", starts[-1])
+    pieces = [words[a:b] for a, b in zip(starts, starts[1:] + [end])]
+    rng.shuffle(pieces)
+    prompt = words[:starts[0]] + [w for piece in pieces for w in piece] + words[end:]
+    return dataclasses.replace(problem, prompt=" ".join(prompt))
+
+
 MAKERS = {"math": make_math, "code": make_code, "chain": make_chain, "list": make_list}
 
 

@@ -75,6 +75,9 @@ class TrainConfig:
     # ramp_to): at most `start` working lines until progress ramp_from, rising linearly
     # to all of them (tasks.LONG_STEPS) at ramp_to. None: off.
     lines_curriculum: tuple | None = None
+    # Probability that a chain / list training problem lists its statements in a random
+    # order (tasks.shuffle_statements), so that they can be found only by their labels.
+    shuffle_statements: float = 0.0
     lr: float = 2e-3
     min_lr_ratio: float = 0.03
     warmup_steps: int = 200
@@ -248,22 +251,32 @@ class BucketedStream:
     are skipped), so every bucket sees the stream's mix of families up to its length.
     `max_lines` (the line-count curriculum): a chain / list problem with more working
     lines is replaced by one of its family with a line count drawn uniformly up to
-    max_lines (never a held-out prompt of `families`).
+    max_lines (never a held-out prompt of `families`). `shuffle`: the probability that
+    a chain / list problem's statements come in a random order (tasks.shuffle_statements).
     """
 
     def __init__(self, stream, buckets, policy: str = "smallest", *, families="v2",
-                 seed: int = 0):
+                 seed: int = 0, shuffle: float = 0.0):
         if policy not in POLICIES:
             raise ValueError(f"bucket policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if not 0.0 <= shuffle <= 1.0:
+            raise ValueError(f"shuffle probability {shuffle}: expected a value in [0, 1]")
         self.stream, self.buckets = stream, tuple(tuple(b) for b in buckets)
-        self.policy, self.families = policy, families
+        self.policy, self.families, self.shuffle = policy, families, shuffle
         self.max_lines = tasks.LONG_STEPS[1]
         self.queues: list[list[tasks.Problem]] = [[] for _ in self.buckets]
         self._rng = random.Random(seed)
         self._reach: dict[int, int] = {}  # max_lines -> the last bucket it can fill
 
     def _next(self) -> tasks.Problem:
-        p = next(self.stream)
+        p = self._capped(next(self.stream))
+        if self.shuffle and p.family in tasks.LONG_FAMILIES and self._rng.random() < self.shuffle:
+            q = tasks.shuffle_statements(p, self._rng)
+            if not tasks.is_heldout(q.prompt, self.families):
+                return q
+        return p
+
+    def _capped(self, p: tasks.Problem) -> tasks.Problem:
         if p.family not in tasks.LONG_FAMILIES or len(p.lines) - 1 <= self.max_lines:
             return p
         while True:
@@ -499,7 +512,8 @@ class Trainer:
         self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed,
                                             families=tc.task_set)
         self.buckets = (BucketedStream(self._stream, tc.buckets, tc.bucket_policy,
-                                       families=tc.task_set, seed=tc.seed + self.step)
+                                       families=tc.task_set, seed=tc.seed + self.step,
+                                       shuffle=tc.shuffle_statements)
                         if tc.buckets else None)
         self._rng = np.random.default_rng(tc.seed + self.step)
 
