@@ -248,3 +248,44 @@ def test_bucketed_stream_shuffles_at_its_rate():
     assert share(1.0) == 1.0
     with pytest.raises(ValueError, match="shuffle probability 1.5"):
         train.BucketedStream(iter([]), train.V2_BUCKETS, shuffle=1.5)
+
+
+def test_the_lookup_probe_masks_from_the_line_and_grades_it():
+    """Each probe row shows the prompt and the lines before the probed one and masks the
+    rest; an oracle (the reference's tokens as logits) scores 100% everywhere, free
+    choices swapped for other members still count, and a model that predicts the mask
+    scores 0."""
+    from asynclane_jax.testbed import lookup
+
+    problems = [p for p in tasks.heldout(40, "v2") if p.family in tasks.LONG_FAMILIES][:8]
+    tokens, key_mask, meta = lookup.probe_rows(problems, per_problem=3)
+    ids = tok.special_ids()
+    assert len(meta) == sum(min(3, len(p.lines) - 1) for p in problems)
+    for row, (family, index, positions, target) in zip(tokens, meta):
+        assert positions[0] == lookup.PROMPT_BUCKET + 11 * (index - 1)
+        assert (row[positions[0]:] == ids["mask_token_id"]).all()
+        assert (row[lookup.PROMPT_BUCKET:positions[0]] != ids["mask_token_id"]).all()
+    full = {}
+    for p in problems:
+        prompt = tok.prompt_ids(p.prompt)
+        full[p.prompt] = np.concatenate([np.zeros(lookup.PROMPT_BUCKET - len(prompt), int),
+                                         prompt, tok.encode(p.response)])
+    vocab = tok.vocab_size()
+    swap = {tok.token_to_id()[CONNECTIVES[0]]: tok.token_to_id()[CONNECTIVES[1]]}
+
+    def oracle(t, key_mask=None):
+        # The reference is recoverable from the unmasked prompt of each row.
+        out = np.zeros(t.shape + (vocab,), np.float32)
+        for i, row in enumerate(np.asarray(t)):
+            prompt_part = tuple(row[:lookup.PROMPT_BUCKET])
+            ref = next(v for v in full.values() if tuple(v[:lookup.PROMPT_BUCKET]) == prompt_part)
+            ref = np.array([swap.get(int(x), int(x)) for x in ref])
+            out[i, np.arange(len(ref)), ref] = 1.0
+        return out
+
+    got = lookup.probe(oracle, problems, per_problem=3, jit=False)
+    assert all(v["lookup"] == v["result"] == v["line"] == 1.0
+               for by in got.values() for v in by.values())
+    blank = lookup.probe(lambda t, key_mask=None: np.eye(vocab)[np.asarray(t)], problems, 3,
+                         jit=False)
+    assert all(v["lookup"] == v["line"] == 0.0 for by in blank.values() for v in by.values())
