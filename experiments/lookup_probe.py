@@ -29,7 +29,8 @@ def to_markdown(results: dict) -> str:
     for name, r in results.items():
         out += [f"## {name} ({r['problems']} held-out chain / list problems, "
                 f"{r['per_problem']} lines each at most)", "",
-                "| family | line index | rows | lookup | result | line |", "|---|---|--:|--:|--:|--:|"]
+                "| family | line index | rows | lookup | result | line |",
+                "|---|---|--:|--:|--:|--:|"]
         for family, by in r["families"].items():
             for bucket, v in by.items():
                 out.append(f"| {family} | {bucket} | {v['rows']} | {100 * v['lookup']:.1f}% | "

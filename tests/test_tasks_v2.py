@@ -261,7 +261,9 @@ def test_the_lookup_probe_masks_from_the_line_and_grades_it():
     tokens, key_mask, meta = lookup.probe_rows(problems, per_problem=3)
     ids = tok.special_ids()
     assert len(meta) == sum(min(3, len(p.lines) - 1) for p in problems)
+    lines = [tok.encode(ln) for p in problems for ln in p.lines[:-1]]
     for row, (family, index, positions, target) in zip(tokens, meta):
+        assert family in tasks.LONG_FAMILIES and list(target) in lines
         assert positions[0] == lookup.PROMPT_BUCKET + 11 * (index - 1)
         assert (row[positions[0]:] == ids["mask_token_id"]).all()
         assert (row[lookup.PROMPT_BUCKET:positions[0]] != ids["mask_token_id"]).all()
