@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -42,6 +43,10 @@ CONFIG_FILE = "config.json"
 PARAMS_DIR = "params"
 # config.json's key for weights stored quantized ("int8": int8 kernels and their scales).
 QUANTIZATION_KEY = "quantization"
+# config.json's key for the layers whose stored int8 values are [..., out, in]
+# (`Linear.int8_out_in`: q / k / v); a folder of int8 weights without it was written
+# before that layout and is refused with a message saying how to make it again.
+INT8_OUT_IN_KEY = "int8_out_in"
 DIGESTS_FILE = "digests.json"
 COMMIT_MARKER = "commit_success.txt"  # orbax's completion marker in params/
 COMMIT_MARKER_TEXT = "Checkpoint commit was successful"
@@ -362,7 +367,8 @@ def save(folder: str | os.PathLike, model: DiffusionLM, *, hf_config: dict | Non
     dst.parent.mkdir(parents=True, exist_ok=True)
     stored = quantize_lib.quantization_of(model)
     if stored is not None:
-        extra = {**(extra or {}), QUANTIZATION_KEY: stored}
+        extra = {**(extra or {}), QUANTIZATION_KEY: stored,
+                 INT8_OUT_IN_KEY: list(quantize_lib.out_in_layers(model))}
     tmp = None
     try:
         with signals_held():
@@ -490,9 +496,11 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
             nnx.merge(graphdef, abs_state), stored_mode or mode))
         template = nnx.to_pure_dict(abs_state)
         target = _target(cfg, abs_state, mesh)
+        out_in = quantize_lib.out_in_layers(nnx.merge(graphdef, abs_state))
         if stored_mode is None:  # the float kernels are read, each quantized as it arrives
-            on_read = _quantize_kernel
+            on_read = functools.partial(_quantize_kernel, out_in=frozenset(out_in))
         else:  # int8 kernels and their scales, read as stored
+            _check_int8_layout(folder, data, out_in)
             read_target = target
     if stored_cfg.scan_layers == cfg.scan_layers:
         restored = restore_params(folder / PARAMS_DIR, read_target, digests=digests,
@@ -514,14 +522,28 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     return nnx.merge(graphdef, abs_state)
 
 
-def _quantize_kernel(name: str, array: jax.Array):
+def _quantize_kernel(name: str, array: jax.Array, out_in: frozenset = frozenset()):
     """`restore_params`' on_read for `load_model(quantize="int8")`: a linear layer's
     kernel (every stored `...kernel`) becomes {"kernel": int8 values, "scale": scales},
-    computed on its device; any other array is kept."""
+    computed on its device, transposed for the layers named in out_in; any other array
+    is kept."""
     if not name.endswith("kernel"):
         return array
-    values, scale = quantize_lib.quantize_array(array)
+    values, scale = quantize_lib.quantize_array(
+        array, out_in=quantize_lib.layer_of(name) in out_in)
     return {"kernel": values, "scale": scale}
+
+
+def _check_int8_layout(folder, data: dict, out_in) -> None:
+    """Refuses int8 weights stored with another [out, in] layer set than the model's."""
+    stored = data.get(INT8_OUT_IN_KEY)
+    if isinstance(stored, list) and sorted(map(str, stored)) == sorted(out_in):
+        return
+    raise CheckpointError(
+        f"{folder}: its int8 weights keep {show(stored)} as [out, in] ({INT8_OUT_IN_KEY} in "
+        f"config.json), this asynclane-jax keeps {list(out_in)}; convert the float "
+        "checkpoint again with --quantize int8, or load the float folder with "
+        "quantize=\"int8\"")
 
 
 def _merge_read(tree):

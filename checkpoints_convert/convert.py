@@ -43,7 +43,7 @@ import numpy as np
 from asynclane_jax import checkpoint
 from asynclane_jax.checkpoint import signals_held
 from asynclane_jax.models.config import ModelConfig, from_hf_config
-from asynclane_jax.models.model import stack_layer_params
+from asynclane_jax.models.model import abstract_model, stack_layer_params
 from checkpoints_convert import lora as lora_mod
 from checkpoints_convert import reader
 from checkpoints_convert.names import Assignment, ConvertError, path_str, plan
@@ -337,10 +337,11 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
                         scan_layers=scan_layers, quantize=quantize, on_tensor=on_tensor)
 
 
-def quantize_kernels(params: dict, digests: dict, mode: str) -> dict:
+def quantize_kernels(params: dict, digests: dict, mode: str, out_in=()) -> dict:
     """Every `kernel` of a parameter dict replaced by its int8 values and a `scale`
     beside it, one kernel at a time, by the function `load(..., quantize="int8")` uses
-    (quantize.quantize_array); `digests` (dotted name -> entry) updated to what is
+    (quantize.quantize_array), transposed for the layers named in out_in
+    (`quantize.out_in_layers`); `digests` (dotted name -> entry) updated to what is
     stored."""
     from asynclane_jax.models import quantize as quantize_lib
 
@@ -350,7 +351,8 @@ def quantize_kernels(params: dict, digests: dict, mode: str) -> dict:
             if isinstance(value, dict):
                 walk(value, name + ".")
             elif key == "kernel":
-                values, scale = (np.asarray(x) for x in quantize_lib.quantize_array(value))
+                values, scale = (np.asarray(x) for x in quantize_lib.quantize_array(
+                    value, out_in=quantize_lib.layer_of(name) in out_in))
                 tree["kernel"], tree["scale"] = values, scale
                 digests[name] = checkpoint.digest_entry(values)
                 digests[f"{prefix}scale"] = checkpoint.digest_entry(scale)
@@ -427,8 +429,10 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
             "lora_config": adapter.config if adapter else None}}
         cfg = cfg.replace(block_causal=block_causal, scan_layers=bool(scan_layers))
         if quantize is not None:  # layer by layer, as load(quantize=) does it
-            params = quantize_kernels(params, digests, quantize)
+            out_in = quantize_lib.out_in_layers(abstract_model(cfg))
+            params = quantize_kernels(params, digests, quantize, out_in)
             extra[checkpoint.QUANTIZATION_KEY] = quantize
+            extra[checkpoint.INT8_OUT_IN_KEY] = list(out_in)
             out_bytes = sum(v.nbytes for v in checkpoint.flat_arrays(params).values())
         if scan_layers:  # one stacked array per layer tensor; their digests as stored
             params = stack_layer_params(params, cfg.n_layers)

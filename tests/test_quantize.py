@@ -49,12 +49,27 @@ def test_quantized_model_stores_int8_and_stays_close():
     kernels = {k: v for k, v in arrays.items() if k.endswith("['kernel']")}
     assert len(kernels) == 7 * cfg.n_layers + (0 if cfg.tie_embeddings else 1)
     assert all(v.dtype == jnp.int8 for v in kernels.values())
+    # q / k / v keep their int8 values [out, in] (scale [out, 1]), the others [in, out].
+    assert quantize.out_in_layers(q) == ("k_proj", "q_proj", "v_proj")
+    float_kernels = _kernels(model)
     for k, v in kernels.items():
-        assert arrays[k.replace("['kernel']", "['scale']")].shape == (1, v.shape[1])
+        scale = arrays[k.replace("['kernel']", "['scale']")]
+        if any(f"['{name}']" in k for name in ("q_proj", "k_proj", "v_proj")):
+            assert v.shape == float_kernels[k].shape[::-1] and scale.shape == (v.shape[0], 1)
+        else:
+            assert v.shape == float_kernels[k].shape and scale.shape == (1, v.shape[1])
     assert all(v.dtype != jnp.int8 for k, v in arrays.items() if not k.endswith("['kernel']"))
-    # The scale is named as its kernel, the contracted dimension unnamed.
-    names = q.layers[0].attn.q_proj.scale.get_metadata()["out_sharding"]
-    assert tuple(names) == (None, "heads")
+    # The scale is named as its kernel, the contracted dimension unnamed; a transposed
+    # kernel's names are transposed with it.
+    attn = q.layers[0].attn
+    assert tuple(attn.q_proj.kernel.get_metadata()["out_sharding"]) == ("heads", "embed")
+    assert tuple(attn.q_proj.scale.get_metadata()["out_sharding"]) == ("heads", None)
+    assert tuple(attn.o_proj.kernel.get_metadata()["out_sharding"]) == ("heads", "embed")
+    assert tuple(attn.o_proj.scale.get_metadata()["out_sharding"]) == (None, "embed")
+    # The transposed values are the [in, out] quantization's, transposed.
+    values, scale = quantize.int8_weights(model.layers[0].attn.q_proj.kernel[...])
+    np.testing.assert_array_equal(attn.q_proj.kernel[...], values.T)
+    np.testing.assert_array_equal(attn.q_proj.scale[...], scale.T)
     # Through split / merge under jit, as the decode runs it.
     tokens = jax.random.randint(jax.random.key(2), (2, 24), 2, cfg.vocab_size)
     run = jax.jit(lambda graphdef, s, t: nnx.merge(graphdef, s)(t), static_argnums=0)
@@ -213,6 +228,16 @@ def test_saved_quantized_model_round_trips_and_bad_mode_is_refused(tmp_path):
     a, b = _pure(model), _pure(back)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["int8_out_in"] == ["k_proj", "q_proj", "v_proj"]
+    # int8 weights written before q / k / v were kept [out, in] say nothing of it:
+    # refused in one line that says how to make them again, never read transposed.
+    legacy = dict(cfg)
+    del legacy["int8_out_in"]
+    (folder / "config.json").write_text(json.dumps(legacy))
+    with pytest.raises(CheckpointError, match=r"keep None as \[out, in\].*keeps \['k_proj', "
+                                              r"'q_proj', 'v_proj'\]; convert the float "
+                                              r"checkpoint again with --quantize int8"):
+        checkpoint.load_model(folder)
     cfg["quantization"] = "int4"
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="quantization 'int4'; this asynclane-jax "

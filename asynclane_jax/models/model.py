@@ -38,36 +38,46 @@ class Linear(nnx.Module):
 
     After `quantize_int8` (asynclane_jax.models.quantize) the kernel holds int8 values
     and `scale` their per-output-channel scales [1, out] (float32): kernel ~ values *
-    scale, multiplied through qwix; `scale` is None in a full-precision layer.
+    scale, multiplied through qwix; `scale` is None in a full-precision layer. With
+    `int8_out_in` the int8 values are kept transposed, [out, in] with scale [out, 1]
+    (`quantize.int8_matmul` says why).
     """
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, cfg: ModelConfig,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, int8_out_in: bool = False):
         self.kernel = _param(0.02 * jax.random.normal(rngs.params(), (d_in, d_out),
                                                       cfg.jnp_param_dtype), axes)
         self.bias = (_param(jnp.zeros((d_out,), cfg.jnp_param_dtype), (axes[1],))
                      if bias else None)
         self.scale = None
         self.dtype = cfg.jnp_dtype
+        self.int8_out_in = int8_out_in
 
     def quantize_int8(self) -> None:
         """Replaces the kernel [..., in, out] by int8 values and adds `scale`
         [..., 1, out] (one per output channel; a stacked kernel's leading axes keep
-        theirs), named as the kernel with the contracted dimension unnamed."""
+        theirs), named as the kernel with the contracted dimension unnamed; with
+        `int8_out_in` both transposed ([..., out, in] and [..., out, 1]), names too."""
         if self.scale is not None:
             return
-        values, scale = quantize.int8_weights(self.kernel[...])
+        values, scale = quantize.int8_weights(self.kernel[...], out_in=self.int8_out_in)
         meta = self.kernel.get_metadata()
         names = meta.get("out_sharding")
-        self.kernel = self.kernel.replace(values)
+        scale_names = None
         if names is not None:
             names = tuple(names)
-            names = names[:-2] + (None,) + names[-1:]
-        self.scale = nnx.data(nnx.Param(scale, **{**meta, "out_sharding": names}))
+            if self.int8_out_in:
+                names, scale_names = (names[:-2] + (names[-1], names[-2]),
+                                      names[:-2] + (names[-1], None))
+            else:
+                scale_names = names[:-2] + (None,) + names[-1:]
+        self.kernel = nnx.Param(values, **{**meta, "out_sharding": names})
+        self.scale = nnx.data(nnx.Param(scale, **{**meta, "out_sharding": scale_names}))
 
     def __call__(self, x):
         if self.scale is not None:
-            y = quantize.int8_matmul(x, self.kernel[...], self.scale[...], self.dtype)
+            y = quantize.int8_matmul(x, self.kernel[...], self.scale[...], self.dtype,
+                                     out_in=self.int8_out_in)
         else:
             y = jnp.einsum("...i,io->...o", x.astype(self.dtype),
                            self.kernel[...].astype(self.dtype))
@@ -201,9 +211,11 @@ def query_block_ids(block_ids, cache, write_index):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, H, K, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = Linear(d, H * h, ("embed", "heads"), bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
-        self.k_proj = Linear(d, K * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
-        self.v_proj = Linear(d, K * h, ("embed", "kv_heads"), bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        # int8 q / k / v values are kept [out, in] (quantize.int8_matmul says why).
+        qkv = dict(bias=cfg.qkv_bias, cfg=cfg, rngs=rngs, int8_out_in=True)
+        self.q_proj = Linear(d, H * h, ("embed", "heads"), **qkv)
+        self.k_proj = Linear(d, K * h, ("embed", "kv_heads"), **qkv)
+        self.v_proj = Linear(d, K * h, ("embed", "kv_heads"), **qkv)
         self.o_proj = Linear(H * h, d, ("heads", "embed"), bias=False, cfg=cfg, rngs=rngs)
         self.cfg = cfg
 

@@ -61,28 +61,38 @@ def check_mode(mode) -> str | None:
     raise QuantizeError(f"quantize={show(mode)}: expected one of {', '.join(CHOICES)}")
 
 
-def int8_weights(kernel):
+def int8_weights(kernel, out_in: bool = False):
     """(int8 values, float32 scales) of a kernel [..., in, out]: one scale per output
     channel (and per leading index of a stacked kernel), the contracted axis -2 reduced
-    (scale shape [..., 1, out]); symmetric absmax, as `qwix.quantize` computes it."""
+    (scale shape [..., 1, out]); symmetric absmax, as `qwix.quantize` computes it.
+    out_in: both returned with their last two axes swapped (values [..., out, in],
+    scale [..., out, 1]), the layout of an `out_in` layer (see `int8_matmul`)."""
     import qwix
 
     k = jnp.asarray(kernel)
     axes = tuple(a for a in range(k.ndim) if a != k.ndim - 2)
     q = qwix.quantize(k.astype(jnp.float32), jnp.int8, channelwise_axes=axes)
-    return q.qvalue, q.scale.astype(jnp.float32)
+    values, scale = q.qvalue, q.scale.astype(jnp.float32)
+    if out_in:
+        values, scale = jnp.swapaxes(values, -1, -2), jnp.swapaxes(scale, -1, -2)
+    return values, scale
 
 
-_int8_weights_jit = jax.jit(int8_weights)
+_int8_weights_jit = jax.jit(int8_weights, static_argnames="out_in")
 
 
-def int8_matmul(x, values, scale, dtype):
+def int8_matmul(x, values, scale, dtype, out_in: bool = False):
     """x [..., in] @ (values [in, out] int8 * scale [1, out]) in the compute dtype,
-    through qwix's einsum (dequantized into the matmul)."""
+    through qwix's einsum (dequantized into the matmul).
+
+    out_in: values [out, in] and scale [out, 1] (the contracted axis minor). The layers
+    that feed attention (q / k / v) keep their int8 values so: in [in, out] the TPU
+    compiler copies each of their stacked kernels into that layout when a decode starts
+    (experiments/results/memory-8b.md)."""
     import qwix
 
     w = qwix.QArray(values, scale.astype(dtype))
-    return qwix.einsum("...i,io->...o", x.astype(dtype), w)
+    return qwix.einsum("...i,oi->...o" if out_in else "...i,io->...o", x.astype(dtype), w)
 
 
 def quantize_model(model, mode: str | None = "int8"):
@@ -130,17 +140,34 @@ def quantized_paths(abs_state) -> set[tuple]:
     return out
 
 
-def quantize_array(array, value_sharding=None, scale_sharding=None):
-    """(int8 values, scales) of one float kernel array already on its device(s),
-    quantized there and placed on the given shardings (None: where jit puts them)."""
+def quantize_array(array, value_sharding=None, scale_sharding=None, out_in: bool = False):
+    """(int8 values, scales) of one float kernel array [..., in, out] already on its
+    device(s), quantized there and placed on the given shardings (None: where jit puts
+    them); out_in as in `int8_weights`."""
     if value_sharding is None:
-        return _int8_weights_jit(array)
-    return _int8_weights_placed(value_sharding, scale_sharding)(array)
+        return _int8_weights_jit(array, out_in=out_in)
+    return _int8_weights_placed(value_sharding, scale_sharding, out_in)(array)
 
 
 @functools.lru_cache(maxsize=64)
-def _int8_weights_placed(value_sharding, scale_sharding):
-    return jax.jit(int8_weights, out_shardings=(value_sharding, scale_sharding))
+def _int8_weights_placed(value_sharding, scale_sharding, out_in: bool = False):
+    return jax.jit(functools.partial(int8_weights, out_in=out_in),
+                   out_shardings=(value_sharding, scale_sharding))
+
+
+def out_in_layers(model) -> tuple[str, ...]:
+    """The names (the last path component, e.g. "q_proj") of a model's linear layers
+    whose int8 values are kept [..., out, in] (`Linear.int8_out_in`), sorted."""
+    return tuple(sorted({str(path[-1]) for path, node in nnx.iter_graph(model)
+                         if path and getattr(node, "int8_out_in", False)
+                         and isinstance(node, nnx.Module)}))
+
+
+def layer_of(name: str) -> str:
+    """The layer a dotted parameter name belongs to: "q_proj" for
+    "layers.0.attn.q_proj.kernel"."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) > 1 else ""
 
 
 def add_flag(parser) -> None:
@@ -159,5 +186,5 @@ def weight_bytes(state) -> int:
 
 
 __all__ = ["CHOICES", "MODES", "QuantizeError", "abstract_quantized", "add_flag", "check_mode",
-           "int8_matmul", "int8_weights", "quantization_of", "quantize_array",
-           "quantize_model", "quantized_paths", "weight_bytes"]
+           "int8_matmul", "int8_weights", "layer_of", "out_in_layers", "quantization_of",
+           "quantize_array", "quantize_model", "quantized_paths", "weight_bytes"]
