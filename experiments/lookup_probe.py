@@ -43,7 +43,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", required=True,
-                    help="comma-separated shipped model names or converted folders")
+                    help="comma-separated shipped model names, converted folders or "
+                         "training run folders (runs/NAME: its last checkpoint; copy "
+                         "the folder first if its training is still running)")
     ap.add_argument("--n", type=int, default=96, help="held-out chain / list problems")
     ap.add_argument("--per-problem", type=int, default=6, help="probed lines per problem")
     ap.add_argument("--out", default=str(RESULTS / "lookup_probe.json"))
@@ -60,10 +62,20 @@ def main(argv=None):
     problems = [p for p in tasks.heldout(4 * args.n, "v2")
                 if p.family in tasks.LONG_FAMILIES][:args.n]
     for name in args.models.split(","):
-        if tasks.model_task_set(name) != "v2":
-            ap.error(f"{name}: not a model of the task set v2")
+        run = pathlib.Path(name)
         t0 = time.time()
-        model = asynclane_jax.load(name)[0]
+        if (run / "log.json").is_file() and (run / "ckpt").is_dir():
+            from asynclane_jax.testbed.train import Trainer
+
+            trainer = Trainer.from_run(run)
+            if trainer.tc.task_set != "v2":
+                ap.error(f"{name}: not a run of the task set v2")
+            model = trainer.current_model()
+            name = f"{run.name} (run, step {trainer.step}, {trainer.elapsed / 60:.0f} min)"
+        else:
+            if tasks.model_task_set(name) != "v2":
+                ap.error(f"{name}: not a model of the task set v2")
+            model = asynclane_jax.load(name)[0]
         families = probe(model, problems, args.per_problem)
         results[name] = {"problems": len(problems), "per_problem": args.per_problem,
                          "families": families, "seconds": round(time.time() - t0, 1)}

@@ -94,6 +94,25 @@ def test_a_few_training_steps_lower_the_loss(family):
     assert probe_loss() < 0.8 * before
 
 
+def test_a_run_folder_reopens_at_its_last_checkpoint(tmp_path):
+    """TrainConfig.from_dict reads what to_dict wrote (tuples and all; unknown keys
+    refused), and Trainer.from_run reopens a run folder at its last checkpoint with the
+    weights as trained (a warm start is not applied again)."""
+    v2 = train.v2_config("llada", bucket_policy="fits", lines_curriculum=(4, 0.2, 0.6),
+                         shuffle_statements=0.5, init_from="tiny-llada")
+    assert train.TrainConfig.from_dict(v2.to_dict()) == v2
+    with pytest.raises(ValueError, match="unknown fields colour"):
+        train.TrainConfig.from_dict({**v2.to_dict(), "colour": "red"})
+    trainer = train.Trainer(_tiny("llada"), tmp_path / "run")
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save_checkpoint()
+    back = train.Trainer.from_run(tmp_path / "run")
+    assert back.step == 2 and back.tc == trainer.tc
+    for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_batches_put_eos_after_the_answer():
     stream = tasks.problem_stream()
     tc = train.TrainConfig()

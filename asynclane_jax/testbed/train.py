@@ -138,6 +138,21 @@ class TrainConfig:
             d["lines_curriculum"] = list(self.lines_curriculum)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        """The config `to_dict` wrote (a run's log.json "config"); unknown keys refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"training config: unknown fields {', '.join(unknown)}")
+        d = dict(d)
+        for key in ("regions", "buckets"):
+            if d.get(key) is not None:
+                d[key] = tuple(tuple(x) for x in d[key])
+        if d.get("lines_curriculum") is not None:
+            d["lines_curriculum"] = tuple(d["lines_curriculum"])
+        return cls(**d)
+
     @property
     def eval_prompt_length(self) -> int:
         """The longest prompt a batch can hold (the monitor's prompt bucket)."""
@@ -516,6 +531,15 @@ class Trainer:
                                        shuffle=tc.shuffle_statements)
                         if tc.buckets else None)
         self._rng = np.random.default_rng(tc.seed + self.step)
+
+    @classmethod
+    def from_run(cls, run_dir) -> Trainer:
+        """The trainer of a run folder (its log.json and checkpoints) at its last
+        checkpoint, its weights as trained (no warm start is applied again)."""
+        run_dir = pathlib.Path(run_dir)
+        log = json.loads((run_dir / "log.json").read_text())
+        tc = dataclasses.replace(TrainConfig.from_dict(log["config"]), init_from=None)
+        return cls(tc, run_dir)
 
     # -- checkpoints
     def _ckpt_manager(self):
