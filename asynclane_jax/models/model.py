@@ -40,11 +40,15 @@ class Linear(nnx.Module):
     and `scale` their per-output-channel scales [1, out] (float32): kernel ~ values *
     scale, multiplied through qwix; `scale` is None in a full-precision layer. With
     `int8_out_in` the int8 values are kept transposed, [out, in] with scale [out, 1]
-    (`quantize.int8_matmul` says why).
+    (`quantize.int8_matmul` says why). With `float_barrier` a full-precision layer's
+    output passes through `lax.optimization_barrier` (an identity): for the q / k / v
+    projections of a model without q/k/v biases (LLaDA) the TPU compiler otherwise
+    copies each stacked [in, out] kernel into the transposed layout when a decode
+    starts, 1 GiB each at LLaDA-8B in bfloat16 (experiments/results/memory-8b.md).
     """
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, cfg: ModelConfig,
-                 rngs: nnx.Rngs, int8_out_in: bool = False):
+                 rngs: nnx.Rngs, int8_out_in: bool = False, float_barrier: bool = False):
         self.kernel = _param(0.02 * jax.random.normal(rngs.params(), (d_in, d_out),
                                                       cfg.jnp_param_dtype), axes)
         self.bias = (_param(jnp.zeros((d_out,), cfg.jnp_param_dtype), (axes[1],))
@@ -52,6 +56,7 @@ class Linear(nnx.Module):
         self.scale = None
         self.dtype = cfg.jnp_dtype
         self.int8_out_in = int8_out_in
+        self.float_barrier = float_barrier
 
     def quantize_int8(self) -> None:
         """Replaces the kernel [..., in, out] by int8 values and adds `scale`
@@ -81,6 +86,8 @@ class Linear(nnx.Module):
         else:
             y = jnp.einsum("...i,io->...o", x.astype(self.dtype),
                            self.kernel[...].astype(self.dtype))
+            if self.float_barrier:
+                y = jax.lax.optimization_barrier(y)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
@@ -211,8 +218,9 @@ def query_block_ids(block_ids, cache, write_index):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, H, K, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        # int8 q / k / v values are kept [out, in] (quantize.int8_matmul says why).
-        qkv = dict(bias=cfg.qkv_bias, cfg=cfg, rngs=rngs, int8_out_in=True)
+        # What the TPU compiler needs to read the q / k / v kernels in place (Linear):
+        # int8 values kept [out, in]; float outputs behind a barrier.
+        qkv = dict(bias=cfg.qkv_bias, cfg=cfg, rngs=rngs, int8_out_in=True, float_barrier=True)
         self.q_proj = Linear(d, H * h, ("embed", "heads"), **qkv)
         self.k_proj = Linear(d, K * h, ("embed", "kv_heads"), **qkv)
         self.v_proj = Linear(d, K * h, ("embed", "kv_heads"), **qkv)
