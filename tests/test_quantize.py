@@ -243,3 +243,23 @@ def test_saved_quantized_model_round_trips_and_bad_mode_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="quantization 'int4'; this asynclane-jax "
                                               "reads int8"):
         checkpoint.load_model(folder)
+
+
+def test_qkv_read_their_kernels_in_place():
+    """What lets the TPU compiler read the q / k / v kernels as stored: their int8
+    values kept [out, in], their float outputs behind an optimization barrier (an
+    identity: the logits equal a model without it)."""
+    cfg = tiny_llada()
+    model = init_model(cfg, seed=4)
+    attn = model.layers[0].attn
+    assert attn.q_proj.float_barrier and attn.k_proj.float_barrier and attn.v_proj.float_barrier
+    assert not attn.o_proj.float_barrier and not model.layers[0].mlp.up_proj.float_barrier
+    tokens = jnp.asarray([[5, 9, 2, 7, 1, 1]])
+    graphdef, state = nnx.split(model)
+    text = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)).lower(state, tokens).as_text()
+    assert text.count("optimization_barrier") == 3 * cfg.n_layers
+    with_barrier = np.asarray(model(tokens))
+    for layer in model.layers:
+        for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj):
+            proj.float_barrier = False
+    np.testing.assert_array_equal(with_barrier, np.asarray(model(tokens)))
