@@ -110,6 +110,9 @@ def main(argv=None):
             ap.error(f"--lines-curriculum {args.lines_curriculum}: expected START,FROM,TO "
                      "with START >= 1 and 0 <= FROM < TO <= 1")
         changes["lines_curriculum"] = (int(start), ramp_from, ramp_to)
+    if args.shuffle_statements is not None and not 0 <= args.shuffle_statements <= 1:
+        ap.error(f"--shuffle-statements {args.shuffle_statements:g}: expected a probability "
+                 "from 0 to 1")
     tc = make(**changes)
     if args.long_frac is not None:
         try:
