@@ -3,7 +3,8 @@
 `quantize_model(model)` turns every `Linear` of a DiffusionLM (attention q/k/v/o, the
 MLP's gate/up/down, an untied output head) into int8 weights with one scale per output
 channel: kernel [.., in, out] becomes an int8 array of the same shape and `scale`
-[.., 1, out] (float32), kernel ~ int8 * scale, symmetric, absmax-calibrated
+[.., 1, out] (float32), or both transposed for q / k / v ([.., out, in] and
+[.., out, 1]: `int8_matmul` says why), kernel ~ int8 * scale, symmetric, absmax-calibrated
 (`qwix.quantize` with every axis but the contracted one channelwise). The layer then
 multiplies through `qwix.einsum` with a `qwix.QArray` (int8 values, the scale in the
 compute dtype), which dequantizes into the matmul. Activations, the embedding table,
