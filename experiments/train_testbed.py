@@ -26,9 +26,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["tiny-llada", "tiny-dream"], default="tiny-llada")
-    ap.add_argument("--task-set", choices=["v1", "v2"], default="v1",
+    ap.add_argument("--task-set", choices=["v1", "v2", "v3"], default="v1",
                     help="v1: math and code (the first models); v2: adds the long chain and "
-                         "list families, trained with length buckets (name <model>-v2)")
+                         "list families, trained with length buckets (name <model>-v2); v3: "
+                         "math, code and the long walk and table families (name <model>-v3)")
     ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead")
     ap.add_argument("--lr", type=float, default=None)
@@ -81,9 +82,11 @@ def main(argv=None):
     from asynclane_jax.testbed import train
 
     family = "llada" if args.model == "tiny-llada" else "dream"
-    if args.task_set == "v2":
+    if args.task_set in ("v2", "v3"):
+        config = train.v2_config if args.task_set == "v2" else train.v3_config
+
         def make(**changes):
-            return train.v2_config(family, **changes)
+            return config(family, **changes)
     else:
         make = train.llada_config if family == "llada" else train.dream_config
     changes = {"minutes": args.minutes, "steps": args.steps, "eval_every_s": args.eval_every,

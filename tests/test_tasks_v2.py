@@ -25,7 +25,7 @@ def _tokens(line: str) -> list[str]:
     return line.split()
 
 
-@pytest.mark.parametrize("family", tasks.LONG_FAMILIES)
+@pytest.mark.parametrize("family", tasks.LINE_FAMILIES)
 def test_every_free_choice_is_graded_right(family):
     p = _problem(family, 2)
     lines = tasks.parse_lines(p.response)
@@ -46,7 +46,7 @@ def test_every_free_choice_is_graded_right(family):
         assert tasks.line_accuracy(p, text) == (len(lines), len(lines))
 
 
-@pytest.mark.parametrize("family", tasks.LONG_FAMILIES)
+@pytest.mark.parametrize("family", tasks.LINE_FAMILIES)
 def test_wrong_values_and_wrong_words_are_refused(family):
     p = _problem(family, 5, seed=3)
     lines = tasks.parse_lines(p.response)

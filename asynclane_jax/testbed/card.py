@@ -128,11 +128,37 @@ def _v2_task(sample) -> list[str]:
         *split_section("v2")]
 
 
+def _v3_task(sample) -> list[str]:
+    return [
+        "The task set v3 (`asynclane_jax.testbed.tasks`): the two short families of the "
+        "first models (math, code) and two long ones of one surface form whose prompt is "
+        "a fixed-length header, walk (every working line moves the previous line's result "
+        "by the header's step, turning at 0 and 9: chained) and table (line i adds the "
+        "header's operand to the digit i - 1 places after the header's start, mod 10: "
+        "every line reads only the header and its own label), "
+        f"{_span(tasks.LONG_STEPS)} working lines each. The families alternate in the "
+        "held-out split; every number 0..99, word, label and newline is one token. The "
+        "shortest problem of each family in a training sample:", "",
+        "```", *_examples(sample, tasks.families_of("v3")), "```", "",
+        "In walk and table each line opens with a connective (then / next / also) and "
+        "restates its result after a consequence word (so / thus / hence), each drawn "
+        "uniformly: free-choice positions, graded right whichever member is written. "
+        "walk and table are correct when every line is right (free choices aside) and "
+        "nothing is added; math and code when the last line before end-of-text is "
+        "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
+        f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts (for "
+        "walk and table a prompt is exactly its (start, step, line count) triple).", "",
+        *split_section("v3")]
+
+
+TASK_SECTIONS = {"v1": _v1_task, "v2": _v2_task, "v3": _v3_task}
+
+
 def train_command(tc: dict) -> str:
     """The experiments/train_testbed.py command that trains a run of this config."""
     base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
     flags = [f"--model {base}", f"--minutes {tc['minutes']:g}"]
-    if tc["name"] not in (base, f"{base}-v2"):
+    if tc["name"] not in (base, f"{base}-v2", f"{base}-v3"):
         flags.append(f"--name {tc['name']}")
     if tc.get("init_from"):
         flags.append(f"--init-from {tc['init_from']}")  # it sets the architecture
@@ -205,7 +231,7 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            "through the same loading path as a converted 8B checkpoint: "
            f"`asynclane_jax.load(\"{name}\")`.", "",
            "## Task", "",
-           *(_v1_task(sample) if task_set == "v1" else _v2_task(sample)),
+           *TASK_SECTIONS[task_set](sample),
            "## Model", "",
            "| field | value |", "|---|---|",
            f"| parameters | {log['params']:,} (float32) |",

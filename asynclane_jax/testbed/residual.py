@@ -50,6 +50,9 @@ def read_slots(family: str, line: list[str]) -> set[int]:
           (the next statement reads one of them and copies the other).
     chain "(i) C v s c = r , S r": both copies of the result.
     list  nothing: each line reads only its own statement in the prompt.
+    walk  "(i) C v s c = r , S r": the result (both copies) and the sign, which sets the
+          next line's direction.
+    table nothing: each line reads only the header and its own label.
     The answer line is read by nothing.
     """
     if not line or line[0] == "answer":
@@ -60,7 +63,9 @@ def read_slots(family: str, line: list[str]) -> set[int]:
         return {3, 6} if line[0] == "(0)" else {8, 11}
     if family == "chain":
         return {6, 9}
-    if family == "list":
+    if family == "walk":
+        return {3, 6, 9}
+    if family in ("list", "table"):
         return set()
     raise ValueError(f"family {family!r}: no reading rule")
 

@@ -46,6 +46,29 @@ strictly: every working line right (free choices aside) and the answer line righ
 and code by their answer line, as before. The prompt length grows with the number of
 lines, so a line finds its statement by its label, not at a fixed distance.
 
+The set "v3" keeps math and code and replaces chain and list with two families of the
+same line form whose prompt is a fixed-length header, so no line has to find its own
+statement by label in a prompt that grows with the line count (what the tiny models
+failed to learn in v2):
+
+  walk   chained control: every line moves the previous line's result by the header's
+        step, on in the previous line's direction (up at first) and turning where it
+        would leave 0..9 (`walk_step`).
+        prompt:   walk from 7 by 3 : 4 lines .
+        response: (1) then 7 - 3 = 4 , so 4 \n (2) next 4 - 3 = 1 , thus 1 \n
+                  (3) also 1 + 3 = 4 , so 4 \n (4) then 4 + 3 = 7 , hence 7 \n answer : 7
+
+  table  independent lines: line i adds the header's operand to the digit i - 1 places
+        after the start (mod 10, `table_row`); it reads the header and its own label only.
+        prompt:   table of 3 from 8 : 4 lines .
+        response: (1) then 8 + 3 = 11 , so 11 \n (2) also 9 + 3 = 12 , hence 12 \n
+                  (3) next 0 + 3 = 3 , so 3 \n (4) then 1 + 3 = 4 , thus 4 \n answer : 4
+
+Both have 2 to 34 lines, the free-choice words of v2 and its strict grading. Their
+prompts are the header's parameters and nothing else (10 x 5 x 33 = 1,650 of each), so
+the training stream, which skips held-out prompts, never sees a held-out (start, step,
+line count) triple.
+
 Splits are fixed: the held-out split is drawn from its own seed, and the training stream
 skips any problem whose prompt occurs among the first HELDOUT_POOL held-out problems of
 the same task set.
@@ -69,10 +92,14 @@ from asynclane_jax.testbed.words import (
     label,
 )
 
-TASK_SETS = {"v1": ("math", "code"), "v2": ("math", "code", "chain", "list")}
+TASK_SETS = {"v1": ("math", "code"), "v2": ("math", "code", "chain", "list"),
+             "v3": ("math", "code", "walk", "table")}
 DEFAULT_TASK_SET = "v1"  # what the first shipped models (tiny-llada, tiny-dream) know
 FAMILIES = TASK_SETS[DEFAULT_TASK_SET]
-LONG_FAMILIES = ("chain", "list")  # graded on every line
+LONG_FAMILIES = ("chain", "list")  # v2: statements labelled in the prompt
+HEADER_FAMILIES = ("walk", "table")  # v3: a fixed-length header says everything
+# Families of 2..LONG_STEPS working lines of one 11-token form, graded on every line.
+LINE_FAMILIES = LONG_FAMILIES + HEADER_FAMILIES
 MAX_VALUE = 9  # every intermediate value stays in 0..MAX_VALUE
 MAX_OPERAND = 5
 MAX_STEPS = 8  # labels (0)..(MAX_STEPS) exist in the vocabulary
@@ -188,6 +215,61 @@ make_chain = functools.partial(_make_long, "chain")
 make_list = functools.partial(_make_long, "list")
 
 
+def walk_step(value: int, step: int, sign: str = "+") -> tuple[str, int]:
+    """One move of walk: on in the previous move's direction (`sign`) while that stays
+    within 0..MAX_VALUE, else back the other way (a walk that reflects at both ends)."""
+    turn = {"+": "-", "-": "+"}[sign]
+    for s in (sign, turn):
+        new = _apply(value, s, step)
+        if 0 <= new <= MAX_VALUE:
+            return s, new
+    raise ValueError(f"step {step} from {value}: leaves 0..{MAX_VALUE} both ways")
+
+
+def make_walk(rng: random.Random, n_steps: int | None = None) -> Problem:
+    """walk (chained): every line moves the previous line's result by the header's step,
+    in the previous line's direction (up at first), turning where it would leave
+    0..MAX_VALUE; so a line reads the line before it (its result and its sign).
+
+    prompt:   walk from 7 by 3 : 4 lines .
+    response: (1) then 7 - 3 = 4 , so 4 \n
+              (2) next 4 - 3 = 1 , thus 1 \n (3) also 1 + 3 = 4 , so 4 \n
+              (4) then 4 + 3 = 7 , hence 7 \n answer : 7
+    """
+    n = n_steps or rng.randint(*LONG_STEPS)
+    value, step = rng.randint(0, MAX_VALUE), rng.randint(1, MAX_OPERAND)
+    prompt, lines, sign = f"walk from {value} by {step} : {n} lines .", [], "+"
+    for i in range(1, n + 1):
+        sign, new = walk_step(value, step, sign)
+        lines.append(_long_line(rng, i, value, sign, step))
+        value = new
+    lines.append(f"answer : {value}")
+    return Problem("walk", prompt, " \n ".join(lines), value)
+
+
+def table_row(start: int, i: int) -> int:
+    """The left operand of table's line i: the digits counted up from `start`, mod 10."""
+    return (start + i - 1) % 10
+
+
+def make_table(rng: random.Random, n_steps: int | None = None) -> Problem:
+    """table (independent): line i adds the header's operand to table_row(start, i), so
+    it reads only the header and its own label, never another line.
+
+    prompt:   table of 3 from 8 : 4 lines .
+    response: (1) then 8 + 3 = 11 , so 11 \n (2) also 9 + 3 = 12 , hence 12 \n
+              (3) next 0 + 3 = 3 , so 3 \n (4) then 1 + 3 = 4 , thus 4 \n answer : 4
+    """
+    n = n_steps or rng.randint(*LONG_STEPS)
+    add, start = rng.randint(1, MAX_OPERAND), rng.randint(0, MAX_VALUE)
+    prompt, lines = f"table of {add} from {start} : {n} lines .", []
+    for i in range(1, n + 1):
+        lines.append(_long_line(rng, i, table_row(start, i), "+", add))
+    value = table_row(start, n) + add
+    lines.append(f"answer : {value}")
+    return Problem("table", prompt, " \n ".join(lines), value)
+
+
 def _is_label(token: str) -> bool:
     return len(token) > 2 and token[0] == "(" and token[-1] == ")" and token[1:-1].isdigit()
 
@@ -211,11 +293,12 @@ def shuffle_statements(problem: Problem, rng: random.Random) -> Problem:
     return dataclasses.replace(problem, prompt=" ".join(prompt))
 
 
-MAKERS = {"math": make_math, "code": make_code, "chain": make_chain, "list": make_list}
+MAKERS = {"math": make_math, "code": make_code, "chain": make_chain, "list": make_list,
+          "walk": make_walk, "table": make_table}
 
 
 def families_of(task_set: str) -> tuple[str, ...]:
-    """The families of a named task set ("v1", "v2")."""
+    """The families of a named task set ("v1", "v2", "v3")."""
     try:
         return TASK_SETS[task_set]
     except KeyError:
@@ -241,7 +324,8 @@ def model_task_set(path_or_name) -> str:
     return recorded_task_set(json.loads((folder / checkpoint.CONFIG_FILE).read_text()))
 
 
-def _families(families) -> tuple[str, ...]:
+def task_families(families) -> tuple[str, ...]:
+    """The families of a task set given by name ("v2") or as a tuple of family names."""
     if isinstance(families, str):
         return families_of(families)
     families = tuple(families)
@@ -260,7 +344,7 @@ def make_problem(rng: random.Random, family: str | None = None) -> Problem:
 def heldout(n: int, families=FAMILIES) -> list[Problem]:
     """The first n held-out problems of a task set (its name or a tuple of families),
     families alternating (deterministic)."""
-    families = _families(families)
+    families = task_families(families)
     rng = random.Random(HELDOUT_SEED)
     return [make_problem(rng, families[i % len(families)]) for i in range(n)]
 
@@ -272,12 +356,12 @@ def _heldout_prompts(families: tuple[str, ...]) -> frozenset[str]:
 
 def is_heldout(prompt: str, families=FAMILIES) -> bool:
     """Whether a prompt is one of the held-out problems of a task set."""
-    return prompt in _heldout_prompts(_families(families))
+    return prompt in _heldout_prompts(task_families(families))
 
 
 def problem_stream(seed: int = TRAIN_SEED, families=FAMILIES):
     """An endless training stream that never yields a held-out prompt of its task set."""
-    families = _families(families)
+    families = task_families(families)
     rng = random.Random(seed)
     excluded = _heldout_prompts(families)
     while True:
@@ -388,8 +472,9 @@ def check(problem: Problem, generated) -> bool:
     """Whether a generated response is right.
 
     math and code: the last line of the response (before end-of-text) must read
-    "answer : N" with N the problem's answer. chain and list: every line must equal the
-    reference's, free choices aside (`normalise_line`), and no line may be added.
+    "answer : N" with N the problem's answer. chain, list, walk and table: every line
+    must equal the reference's, free choices aside (`normalise_line`), and no line may
+    be added.
 
     Args:
       problem: the Problem.
@@ -397,7 +482,7 @@ def check(problem: Problem, generated) -> bool:
         the testbed tokenizer.
     """
     lines = _lines_of(generated)
-    if problem.family in LONG_FAMILIES:
+    if problem.family in LINE_FAMILIES:
         return lines == [normalise_line(ln) for ln in parse_lines(problem.response)]
     return bool(lines) and lines[-1] == f"answer : {problem.answer}"
 

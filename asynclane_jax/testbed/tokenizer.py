@@ -46,6 +46,8 @@ def vocabulary() -> tuple[str, ...]:
     words += [task_words.label(i) for i in range(16, task_words.MAX_LABEL + 1)]
     words += list(task_words.CONNECTIVES) + list(task_words.CONSEQUENCES)
     words += list(task_words.LONG_WORDS)
+    # Appended for the task set v3 (walk, table).
+    words += list(task_words.WALK_TABLE_WORDS)
     return tuple(SPECIALS) + tuple(words)
 
 

@@ -186,6 +186,19 @@ V2_BUCKETS = ((32, 64, 32, 0.19), (64, 128, 16, 0.06), (96, 256, 8, 0.25),
               (144, 512, 4, 0.50))
 
 
+# Length buckets of the task set v3: its prompts are all within v1's 28 tokens (walk and
+# table have a 10-token header), so every bucket has the same prompt length.
+V3_BUCKETS = ((28, 64, 32, 0.19), (28, 128, 16, 0.06), (28, 256, 8, 0.25),
+              (28, 512, 4, 0.50))
+
+
+def v3_config(family: str = "llada", **changes) -> TrainConfig:
+    """A model of the task set v3: v2's generation lengths and monitors, V3_BUCKETS."""
+    base = v2_config(family)
+    v3 = dict(name=base.name.replace("-v2", "-v3"), task_set="v3", buckets=V3_BUCKETS)
+    return dataclasses.replace(base, **{**v3, **changes})
+
+
 def v2_config(family: str = "llada", **changes) -> TrainConfig:
     """A model of the task set v2: the long families need a 144-token prompt bucket and
     a 1024-token generation (max_seq_len 1168) and train with V2_BUCKETS; monitors use
@@ -264,10 +277,11 @@ class BucketedStream:
     (problems drawn for other buckets wait in their queues, so none is thrown away).
     policy "fits": a bucket takes the stream's next problems that fit it (the others
     are skipped), so every bucket sees the stream's mix of families up to its length.
-    `max_lines` (the line-count curriculum): a chain / list problem with more working
-    lines is replaced by one of its family with a line count drawn uniformly up to
-    max_lines (never a held-out prompt of `families`). `shuffle`: the probability that
-    a chain / list problem's statements come in a random order (tasks.shuffle_statements).
+    `max_lines` (the line-count curriculum): a chain / list / walk / table problem with
+    more working lines is replaced by one of its family with a line count drawn
+    uniformly up to max_lines (never a held-out prompt of `families`). `shuffle`: the
+    probability that a chain / list problem's statements come in a random order
+    (tasks.shuffle_statements).
     """
 
     def __init__(self, stream, buckets, policy: str = "smallest", *, families="v2",
@@ -292,7 +306,7 @@ class BucketedStream:
         return p
 
     def _capped(self, p: tasks.Problem) -> tasks.Problem:
-        if p.family not in tasks.LONG_FAMILIES or len(p.lines) - 1 <= self.max_lines:
+        if p.family not in tasks.LINE_FAMILIES or len(p.lines) - 1 <= self.max_lines:
             return p
         while True:
             n = self._rng.randint(tasks.LONG_STEPS[0], max(tasks.LONG_STEPS[0], self.max_lines))
@@ -323,8 +337,9 @@ class BucketedStream:
             return [True] * len(self.buckets)
         if self.max_lines not in self._reach:
             rng = random.Random(0)
-            longest = [tasks.MAKERS[f](rng, self.max_lines) for f in tasks.LONG_FAMILIES]
-            longest += [tasks.MAKERS[f](rng) for f in ("math", "code")]
+            families = tasks.task_families(self.families)
+            longest = [tasks.MAKERS[f](rng, self.max_lines) if f in tasks.LINE_FAMILIES
+                       else tasks.MAKERS[f](rng) for f in families]
             self._reach[self.max_lines] = max(smallest_bucket(self.buckets, q)
                                               for q in longest)
         return [i <= self._reach[self.max_lines] for i in range(len(self.buckets))]
