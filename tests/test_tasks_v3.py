@@ -12,11 +12,11 @@ from asynclane_jax.testbed import tokenizer as tok
 
 
 def _header(p: tasks.Problem) -> tuple[int, int, int]:
-    """The three numbers of a walk / table prompt, in order, read from its words:
-    "walk from S by D : N lines ." or "table of A from S : N lines .". """
+    """The two numbers and the line count of a walk / table prompt, read from its words:
+    "walk from S by D : lines (1) to (N) ." or "table of A from S : lines (1) to (N) .". """
     w = p.prompt.split()
-    assert len(w) == 9 and w[5] == ":" and w[-2:] == ["lines", "."]
-    return int(w[2]), int(w[4]), int(w[6])
+    assert len(w) == 11 and w[5:9] == [":", "lines", "(1)", "to"] and w[-1] == "."
+    return int(w[2]), int(w[4]), int(w[9][1:-1])
 
 
 def _working(p: tasks.Problem) -> list[list[str]]:
@@ -110,8 +110,8 @@ def test_v3_stream_skips_held_out_prompts_and_the_curriculum_caps_lines():
 
 def test_v3_words_came_after_every_earlier_id():
     vocab = tok.vocabulary()
-    assert vocab[-6:] == ("walk", "from", "by", "table", "of", "lines")
-    assert vocab.index("each") == len(vocab) - 7  # v2's last word stays where it was
+    assert vocab[-7:] == ("walk", "from", "by", "table", "of", "lines", "to")
+    assert vocab.index("each") == len(vocab) - 8  # v2's last word stays where it was
     for p in tasks.heldout(40, "v3"):
         assert tok.decode_ids(tok.encode(p.response)) == " ".join(
             tok.split_words(p.response))

@@ -54,13 +54,13 @@ failed to learn in v2):
   walk   chained control: every line moves the previous line's result by the header's
         step, on in the previous line's direction (up at first) and turning where it
         would leave 0..9 (`walk_step`).
-        prompt:   walk from 7 by 3 : 4 lines .
+        prompt:   walk from 7 by 3 : lines (1) to (4) .
         response: (1) then 7 - 3 = 4 , so 4 \n (2) next 4 - 3 = 1 , thus 1 \n
                   (3) also 1 + 3 = 4 , so 4 \n (4) then 4 + 3 = 7 , hence 7 \n answer : 7
 
   table  independent lines: line i adds the header's operand to the digit i - 1 places
         after the start (mod 10, `table_row`); it reads the header and its own label only.
-        prompt:   table of 3 from 8 : 4 lines .
+        prompt:   table of 3 from 8 : lines (1) to (4) .
         response: (1) then 8 + 3 = 11 , so 11 \n (2) also 9 + 3 = 12 , hence 12 \n
                   (3) next 0 + 3 = 3 , so 3 \n (4) then 1 + 3 = 4 , thus 4 \n answer : 4
 
@@ -215,6 +215,12 @@ make_chain = functools.partial(_make_long, "chain")
 make_list = functools.partial(_make_long, "list")
 
 
+def _span_of_lines(n: int) -> str:
+    """The header's line count, written with the last line's own label, so that a line
+    knows it is the last one by matching its label, not by comparing it with a number."""
+    return f"lines (1) to {label(n)}"
+
+
 def walk_step(value: int, step: int, sign: str = "+") -> tuple[str, int]:
     """One move of walk: on in the previous move's direction (`sign`) while that stays
     within 0..MAX_VALUE, else back the other way (a walk that reflects at both ends)."""
@@ -231,14 +237,14 @@ def make_walk(rng: random.Random, n_steps: int | None = None) -> Problem:
     in the previous line's direction (up at first), turning where it would leave
     0..MAX_VALUE; so a line reads the line before it (its result and its sign).
 
-    prompt:   walk from 7 by 3 : 4 lines .
+    prompt:   walk from 7 by 3 : lines (1) to (4) .
     response: (1) then 7 - 3 = 4 , so 4 \n
               (2) next 4 - 3 = 1 , thus 1 \n (3) also 1 + 3 = 4 , so 4 \n
               (4) then 4 + 3 = 7 , hence 7 \n answer : 7
     """
     n = n_steps or rng.randint(*LONG_STEPS)
     value, step = rng.randint(0, MAX_VALUE), rng.randint(1, MAX_OPERAND)
-    prompt, lines, sign = f"walk from {value} by {step} : {n} lines .", [], "+"
+    prompt, lines, sign = f"walk from {value} by {step} : {_span_of_lines(n)} .", [], "+"
     for i in range(1, n + 1):
         sign, new = walk_step(value, step, sign)
         lines.append(_long_line(rng, i, value, sign, step))
@@ -256,13 +262,13 @@ def make_table(rng: random.Random, n_steps: int | None = None) -> Problem:
     """table (independent): line i adds the header's operand to table_row(start, i), so
     it reads only the header and its own label, never another line.
 
-    prompt:   table of 3 from 8 : 4 lines .
+    prompt:   table of 3 from 8 : lines (1) to (4) .
     response: (1) then 8 + 3 = 11 , so 11 \n (2) also 9 + 3 = 12 , hence 12 \n
               (3) next 0 + 3 = 3 , so 3 \n (4) then 1 + 3 = 4 , thus 4 \n answer : 4
     """
     n = n_steps or rng.randint(*LONG_STEPS)
     add, start = rng.randint(1, MAX_OPERAND), rng.randint(0, MAX_VALUE)
-    prompt, lines = f"table of {add} from {start} : {n} lines .", []
+    prompt, lines = f"table of {add} from {start} : {_span_of_lines(n)} .", []
     for i in range(1, n + 1):
         lines.append(_long_line(rng, i, table_row(start, i), "+", add))
     value = table_row(start, n) + add

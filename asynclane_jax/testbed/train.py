@@ -187,7 +187,7 @@ V2_BUCKETS = ((32, 64, 32, 0.19), (64, 128, 16, 0.06), (96, 256, 8, 0.25),
 
 
 # Length buckets of the task set v3: its prompts are all within v1's 28 tokens (walk and
-# table have a 10-token header), so every bucket has the same prompt length.
+# table have an 11-token header), so every bucket has the same prompt length.
 V3_BUCKETS = ((28, 64, 32, 0.19), (28, 128, 16, 0.06), (28, 256, 8, 0.25),
               (28, 512, 4, 0.50))
 

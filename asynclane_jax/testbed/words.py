@@ -17,7 +17,7 @@ VARIABLES = ("x", "y")
 CONNECTIVES = ("then", "next", "also")
 CONSEQUENCES = ("so", "thus", "hence")
 LONG_WORDS = ("start", "end", "solve", "each")  # prompt words of chain and list
-WALK_TABLE_WORDS = ("walk", "from", "by", "table", "of", "lines")  # of walk and table
+WALK_TABLE_WORDS = ("walk", "from", "by", "table", "of", "lines", "to")  # of walk and table
 MAX_LABEL = 40  # labels (0)..(MAX_LABEL) are in the vocabulary
 
 
