@@ -238,17 +238,20 @@ def test_the_card_names_the_command_that_trains_the_run():
 
 
 @pytest.mark.slow
-def test_shipped_v2_model_records_its_tasks_and_solves_the_short_families():
-    """tiny-llada-v2 loads by name, records the task set v2, and solves math and code
-    (the families it learned; its model card reports the long ones it did not) with
-    Fast-dLLM at gen length 256: at least 14 of the first 16 such held-out problems."""
+@pytest.mark.parametrize("name, task_set", [("tiny-llada-v2", "v2"), ("tiny-llada-v3", "v3")])
+def test_shipped_long_task_models_record_their_tasks_and_solve_the_short_families(
+        name, task_set):
+    """tiny-llada-v2 and -v3 load by name, record their task sets, and solve math and
+    code (the families they learned; their model cards report the long ones they did
+    not) with Fast-dLLM at gen length 256: at least 14 of the first 16 such held-out
+    problems."""
     from asynclane_jax import generate, load
     from asynclane_jax.testbed.evaluate import prompts_for
 
-    model, tokenizer, cfg = load("tiny-llada-v2")
-    assert tasks.model_task_set("tiny-llada-v2") == "v2"
-    assert cfg.vocab_size == len(tokenizer) < tok.vocab_size()  # v3's words came after it
-    problems = [p for p in tasks.heldout(32, "v2") if p.family in ("math", "code")]
+    model, tokenizer, cfg = load(name)
+    assert tasks.model_task_set(name) == task_set
+    assert cfg.vocab_size == len(tokenizer) <= tok.vocab_size()  # words came at the end
+    problems = [p for p in tasks.heldout(32, task_set) if p.family in ("math", "code")]
     assert len(problems) == 16
     res = generate(model, prompts_for(problems, tokenizer), sampler="fast-dllm",
                    gen_length=256, cache="dual", tokenizer=tokenizer)
