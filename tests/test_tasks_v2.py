@@ -142,12 +142,18 @@ def test_v1_split_and_vocabulary_unchanged():
         tasks.heldout(3, ("math", "poetry"))
 
 
-def test_training_stream_and_buckets():
-    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, "v2")}
-    stream = tasks.problem_stream(families="v2")
+@pytest.mark.parametrize("task_set", ["v2", "v3"])
+def test_the_training_stream_skips_held_out_prompts(task_set):
+    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, task_set)}
+    stream = tasks.problem_stream(families=task_set)
     drawn = [next(stream) for _ in range(400)]
     assert not held & {p.prompt for p in drawn}
-    assert {p.family for p in drawn} == set(tasks.TASK_SETS["v2"])
+    assert {p.family for p in drawn} == set(tasks.TASK_SETS[task_set])
+
+
+def test_training_stream_and_buckets():
+    stream = tasks.problem_stream(families="v2")
+    drawn = [next(stream) for _ in range(400)]
     buckets = train.V2_BUCKETS
     bs = train.BucketedStream(iter(drawn), buckets)
     rng = np.random.default_rng(0)
@@ -172,33 +178,43 @@ def test_training_stream_and_buckets():
 
 def test_bucket_policies_and_the_line_count_curriculum():
     """"fits": every bucket takes the stream's problems that fit it (short answers with
-    long end-of-text tails too); the line-count curriculum caps chain / list lines,
-    redrawing longer ones (never a held-out prompt), starts only the buckets its
-    problems can fill, and rises to every length."""
+    long end-of-text tails too); the line-count curriculum rises to every length (its
+    cap: test_the_line_count_curriculum_caps_the_long_families)."""
     buckets = train.V2_BUCKETS
-    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, "v2")}
     fits = train.BucketedStream(tasks.problem_stream(families="v2"), buckets, "fits")
     last = fits.take(len(buckets) - 1, 40)
     assert {"math", "code"} <= {p.family for p in last}  # short answers, 512-token region
     assert all(train.fits_bucket(buckets[0], p) for p in fits.take(0, 20))
-
-    capped = train.BucketedStream(tasks.problem_stream(families="v2"), buckets, seed=3)
-    capped.max_lines = 4
-    assert capped.feedable() == [True, False, False, False]
-    drawn = capped.take(0, 64)
-    long = [p for p in drawn if p.family in tasks.LONG_FAMILIES]
-    assert len(long) > 16 and max(len(p.lines) - 1 for p in long) <= 4
-    assert not held & {p.prompt for p in drawn}
-    rng = np.random.default_rng(0)
-    assert all(capped.batch(rng)["tokens"].shape == (32, 96) for _ in range(5))
-    capped.max_lines = tasks.LONG_STEPS[1]
-    assert all(capped.feedable())
 
     tc = train.v2_config("llada", lines_curriculum=(4, 0.2, 0.6))
     assert [train.max_lines_at(tc, x) for x in (0.0, 0.2, 0.4, 0.6, 1.0)] == [4, 4, 19, 34, 34]
     assert train.max_lines_at(train.v2_config("llada"), 0.0) == tasks.LONG_STEPS[1]
     with pytest.raises(ValueError, match="bucket policy 'best'"):
         train.BucketedStream(iter([]), buckets, "best")
+
+
+@pytest.mark.parametrize("task_set", ["v2", "v3"])
+def test_the_line_count_curriculum_caps_the_long_families(task_set):
+    """Capped at 4 lines, the long families' longer problems are redrawn shorter (never
+    a held-out prompt), only the first bucket can be filled, and lifting the cap opens
+    every bucket again."""
+    buckets = train.V2_BUCKETS if task_set == "v2" else train.V3_BUCKETS
+    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, task_set)}
+    capped = train.BucketedStream(tasks.problem_stream(families=task_set), buckets,
+                                  families=task_set, seed=3)
+    capped.max_lines = 4
+    assert capped.feedable() == [True, False, False, False]
+    drawn = capped.take(0, 64)
+    long = [p for p in drawn if p.family in tasks.LINE_FAMILIES]
+    assert {p.family for p in long} == set(tasks.TASK_SETS[task_set][2:])
+    assert len(long) > 16 and max(len(p.lines) - 1 for p in long) <= 4
+    assert not held & {p.prompt for p in drawn}
+    rng = np.random.default_rng(0)
+    assert all(capped.batch(rng)["tokens"].shape == (32, buckets[0][0] + 64)
+               for _ in range(5))
+    assert (capped.batch(rng)["tokens"][:, -1] == tok.special_ids()["eos_token_id"]).all()
+    capped.max_lines = tasks.LONG_STEPS[1]
+    assert all(capped.feedable())
 
 
 def _statements(prompt: str) -> list[str]:

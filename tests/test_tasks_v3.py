@@ -89,25 +89,6 @@ def test_v3_lengths_and_families_are_computed():
     assert cfg.name == "tiny-llada-v3" and train.v3_config("dream").name == "tiny-dream-v3"
 
 
-def test_v3_stream_skips_held_out_prompts_and_the_curriculum_caps_lines():
-    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, "v3")}
-    stream = tasks.problem_stream(families="v3")
-    drawn = [next(stream) for _ in range(400)]
-    assert not held & {p.prompt for p in drawn}
-    assert {p.family for p in drawn} == set(tasks.TASK_SETS["v3"])
-    bs = train.BucketedStream(tasks.problem_stream(families="v3"), train.V3_BUCKETS,
-                              "smallest", families="v3", seed=2)
-    bs.max_lines = 4
-    assert bs.feedable() == [True, False, False, False]
-    got = bs.take(0, 64)
-    lined = [p for p in got if p.family in tasks.HEADER_FAMILIES]
-    assert len(lined) > 16 and max(len(p.lines) - 1 for p in lined) <= 4
-    assert not held & {p.prompt for p in got}
-    batch = bs.batch(np.random.default_rng(0))
-    assert batch["tokens"].shape == (32, 28 + 64)
-    assert (batch["tokens"][:, -1] == tok.special_ids()["eos_token_id"]).all()
-
-
 def test_v3_words_came_after_every_earlier_id():
     vocab = tok.vocabulary()
     assert vocab[-7:] == ("walk", "from", "by", "table", "of", "lines", "to")
