@@ -37,7 +37,9 @@ def _curriculum(tc: dict) -> str:
                 "budget, so that early batches mask few tokens.")
     if tc.get("lines_curriculum"):
         start, ramp_from, ramp_to = tc["lines_curriculum"]
-        out += (f" Line-count curriculum: chain and list problems have at most {start:g} "
+        long = " and ".join(f for f in tasks.families_of(tc.get("task_set", "v2"))
+                            if f in tasks.LINE_FAMILIES)
+        out += (f" Line-count curriculum: {long} problems have at most {start:g} "
                 f"working lines until {100 * ramp_from:g}% of the budget, rising linearly "
                 f"to all of them at {100 * ramp_to:g}% (longer ones are redrawn shorter).")
     if tc.get("shuffle_statements"):
