@@ -1,6 +1,7 @@
 """The testbed: tasks, tokenizer, trainer, and the shipped tiny models."""
 
 import dataclasses
+import pathlib
 import random
 
 import jax
@@ -235,6 +236,25 @@ def test_the_card_names_the_command_that_trains_the_run():
     command = card.train_command(named)
     assert "--minutes 55 --name tiny-llada-v2s " in command
     assert command.endswith("--task-set v2 --shuffle-statements 0.5")
+    v3 = train.v3_config("llada", init_from="tiny-llada-v2", minutes=32.0).to_dict()
+    assert card.train_command(v3) == (
+        "python experiments/train_testbed.py --model tiny-llada --minutes 32 --init-from "
+        "tiny-llada-v2 --t-max-start 0.25 --t-ramp 0.2 --task-set v3")
+
+
+def test_the_v3_card_describes_walk_and_table_from_the_split():
+    """The shipped v3 card's task section is rendered from the task set (its examples
+    and statistics computed), not typed."""
+    from asynclane_jax.testbed import card
+
+    section = card.TASK_SECTIONS["v3"](tasks.split("train", 200, "v3"))
+    text = "\n".join(section)
+    stats = tasks.split_stats(tasks.heldout(1000, "v3"))
+    assert "| walk |" in text and "| table |" in text and "| chain |" not in text
+    assert f"{100 * stats['frac_over_128']:.1f}% of answers are longer than 128" in text
+    shipped = (pathlib.Path(tasks.__file__).parent / "models" / "tiny-llada-v3" /
+               "README.md").read_text()
+    assert "\n".join(section[-12:]) in shipped
 
 
 @pytest.mark.slow
