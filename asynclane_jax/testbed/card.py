@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -29,6 +30,11 @@ def _examples(sample: list[tasks.Problem], families=tasks.FAMILIES) -> list[str]
     return out
 
 
+def _long_names(task_set: str) -> str:
+    """The long families of a task set, as the cards name them: "walk and table"."""
+    return " and ".join(f for f in tasks.families_of(task_set) if f in tasks.LINE_FAMILIES)
+
+
 def _curriculum(tc: dict) -> str:
     out = ""
     if tc.get("t_ramp"):
@@ -37,10 +43,9 @@ def _curriculum(tc: dict) -> str:
                 "budget, so that early batches mask few tokens.")
     if tc.get("lines_curriculum"):
         start, ramp_from, ramp_to = tc["lines_curriculum"]
-        long = " and ".join(f for f in tasks.families_of(tc.get("task_set", "v2"))
-                            if f in tasks.LINE_FAMILIES)
-        out += (f" Line-count curriculum: {long} problems have at most {start:g} "
-                f"working lines until {100 * ramp_from:g}% of the budget, rising linearly "
+        long = _long_names(tc.get("task_set", "v2"))
+        out += (f" Line-count curriculum: {long} problems have at most {start:g} working "
+                f"lines until {100 * ramp_from:g}% of the budget, rising linearly "
                 f"to all of them at {100 * ramp_to:g}% (longer ones are redrawn shorter).")
     if tc.get("shuffle_statements"):
         out += (f" Statement order: {100 * tc['shuffle_statements']:g}% of the chain and list "
@@ -110,50 +115,47 @@ def split_section(task_set: str, n: int = 1000) -> list[str]:
     return out + ["```", ""]
 
 
-def _v2_task(sample) -> list[str]:
+# What differs between the task sets with long families: how the two long families
+# are described, and what the held-out note adds.
+_LONG_FAMILY_TEXT = {
+    "v2": ("two long ones of one surface form, chain (every working line reads the "
+           "previous line's result) and list (every line reads only its own statement in "
+           "the prompt)", ""),
+    "v3": ("two long ones of one surface form whose prompt is a fixed-length header, walk "
+           "(every working line moves the previous line's result by the header's step, "
+           "turning at 0 and 9: chained) and table (line i adds the header's operand to "
+           "the digit i - 1 places after the header's start, mod 10: every line reads "
+           "only the header and its own label)",
+           " (for walk and table a prompt is exactly its (start, step, line count) "
+           "triple)"),
+}
+
+
+def _long_task(task_set: str, sample) -> list[str]:
+    """The card's task section of a set with long families (v2, v3)."""
+    described, held_note = _LONG_FAMILY_TEXT[task_set]
+    families = tasks.families_of(task_set)
+    long = _long_names(task_set)
     return [
-        "The task set v2 (`asynclane_jax.testbed.tasks`): the two short families of the "
-        "first models (math, code) and two long ones of one surface form, chain (every "
-        "working line reads the previous line's result) and list (every line reads only "
-        f"its own statement in the prompt), {_span(tasks.LONG_STEPS)} working lines each. "
-        "The families alternate in the held-out split; every number 0..99, word, label "
-        "and newline is one token. The shortest problem of each family in a training "
-        "sample:", "",
-        "```", *_examples(sample, tasks.families_of("v2")), "```", "",
-        "In chain and list each line opens with a connective (then / next / also) and "
+        f"The task set {task_set} (`asynclane_jax.testbed.tasks`): the two short families "
+        f"of the first models (math, code) and {described}, {_span(tasks.LONG_STEPS)} "
+        "working lines each. The families alternate in the held-out split; every number "
+        "0..99, word, label and newline is one token. The shortest problem of each family "
+        "in a training sample:", "",
+        "```", *_examples(sample, families), "```", "",
+        f"In {long} each line opens with a connective (then / next / also) and "
         "restates its result after a consequence word (so / thus / hence), each drawn "
         "uniformly: free-choice positions, graded right whichever member is written. "
-        "chain and list are correct when every line is right (free choices aside) and "
+        f"{long} are correct when every line is right (free choices aside) and "
         "nothing is added; math and code when the last line before end-of-text is "
         "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
-        f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts.", "",
-        *split_section("v2")]
+        f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts"
+        f"{held_note}.", "",
+        *split_section(task_set)]
 
 
-def _v3_task(sample) -> list[str]:
-    return [
-        "The task set v3 (`asynclane_jax.testbed.tasks`): the two short families of the "
-        "first models (math, code) and two long ones of one surface form whose prompt is "
-        "a fixed-length header, walk (every working line moves the previous line's result "
-        "by the header's step, turning at 0 and 9: chained) and table (line i adds the "
-        "header's operand to the digit i - 1 places after the header's start, mod 10: "
-        "every line reads only the header and its own label), "
-        f"{_span(tasks.LONG_STEPS)} working lines each. The families alternate in the "
-        "held-out split; every number 0..99, word, label and newline is one token. The "
-        "shortest problem of each family in a training sample:", "",
-        "```", *_examples(sample, tasks.families_of("v3")), "```", "",
-        "In walk and table each line opens with a connective (then / next / also) and "
-        "restates its result after a consequence word (so / thus / hence), each drawn "
-        "uniformly: free-choice positions, graded right whichever member is written. "
-        "walk and table are correct when every line is right (free choices aside) and "
-        "nothing is added; math and code when the last line before end-of-text is "
-        "`answer : N` (`asynclane_jax.testbed.check`). The held-out split has its own "
-        f"seed and the training stream skips its first {tasks.HELDOUT_POOL} prompts (for "
-        "walk and table a prompt is exactly its (start, step, line count) triple).", "",
-        *split_section("v3")]
-
-
-TASK_SECTIONS = {"v1": _v1_task, "v2": _v2_task, "v3": _v3_task}
+TASK_SECTIONS = {"v1": _v1_task, **{name: functools.partial(_long_task, name)
+                                     for name in _LONG_FAMILY_TEXT}}
 
 
 def train_command(tc: dict) -> str:
