@@ -56,14 +56,12 @@ def main(argv=None):
             c["stops_after_its_last_line"] += len(got) == len(ref) and got[-1].startswith("answer")
             c["runs_past_its_last_line"] += len(got) > len(ref)
             c["stops_early"] += len(got) < len(ref)
-            pairs = [(r.split(), g.split()) for r, g in zip(ref[:-1], got)]
-            bad = next(((r, g) for r, g in pairs
-                        if tasks.normalise_line(" ".join(r)) != tasks.normalise_line(" ".join(g))),
-                       None)
+            bad = next(((r, g) for r, g in zip(ref[:-1], got)
+                        if tasks.normalise_line(r) != tasks.normalise_line(g)), None)
             if bad is None and len(got) >= len(ref) - 1:
                 c["every_working_line_right"] += 1
             elif bad is not None:
-                c["first_error_" + first_error(family, *bad)] += 1
+                c["first_error_" + first_error(family, bad[0].split(), bad[1].split())] += 1
         out[family] = dict(c)
     text = json.dumps({"model": args.model, "sampler": "fast-dllm (dual, 0.9)",
                        "gen_length": 512, "families": out}, indent=1)
