@@ -590,7 +590,7 @@ def register(sub) -> None:
     p.add_argument("--gen-lengths", type=_int_list, default=None,
                    help="comma-separated generation lengths (default 128,256,512)")
     p.add_argument("--n", type=int, default=50, help="held-out problems (default 50)")
-    p.add_argument("--tasks", default=None, metavar="v1|v2|v3",
+    p.add_argument("--tasks", default=None, metavar="v1|v2|v3|v4",
                    help="testbed task set of the problems (default: the one the model "
                         "was trained on, v1 when it records none)")
     p.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")

@@ -1,6 +1,7 @@
-"""How a long-task model fails its walk / table problems: whether it stops after the
-last line, and the kind of the first wrong working line (label, direction, left
-operand, result), under Fast-dLLM (dual cache, threshold 0.9) at gen length 512.
+"""How a long-task model fails its walk / table (v3) or walk-down / table-down (v4)
+problems: whether it stops after the last line, and the kind of the first wrong
+working line (label, direction, left operand, result), under Fast-dLLM (dual cache,
+threshold 0.9) at gen length 512.
 
   python experiments/testbed_failures.py --model tiny-llada-v3 --n 50
 
@@ -14,6 +15,8 @@ import collections
 import json
 import pathlib
 
+from asynclane_jax.testbed import tasks
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -21,7 +24,7 @@ def first_error(family: str, ref: list[str], got: list[str]) -> str:
     """The kind of the first differing token group of a working line."""
     if ref[0] != got[0]:
         return "label"
-    if family == "walk" and ref[2] == got[2] and ref[3] != got[3]:
+    if family in tasks.CHAINED_HEADER and ref[2] == got[2] and ref[3] != got[3]:
         return "direction"
     if ref[2] != got[2]:
         return "left operand"
@@ -37,12 +40,15 @@ def main(argv=None):
 
     import asynclane_jax
     from asynclane_jax.decoding import generate
-    from asynclane_jax.testbed import evaluate, tasks
+    from asynclane_jax.testbed import evaluate
     from asynclane_jax.testbed import tokenizer as tok
 
     model, tokenizer, _ = asynclane_jax.load(args.model)
-    families = tasks.HEADER_FAMILIES
-    problems = [p for p in tasks.heldout(8 * args.n, "v3") if p.family in families]
+    task_set = tasks.model_task_set(args.model)
+    families = [f for f in tasks.families_of(task_set) if f in tasks.HEADER_FAMILIES]
+    if not families:
+        ap.error(f"--model {args.model}: trained on {task_set}, which has no walk / table")
+    problems = [p for p in tasks.heldout(8 * args.n, task_set) if p.family in families]
     picked = {f: [p for p in problems if p.family == f][:args.n] for f in families}
     out = {}
     for family, probs in picked.items():

@@ -26,10 +26,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=["tiny-llada", "tiny-dream"], default="tiny-llada")
-    ap.add_argument("--task-set", choices=["v1", "v2", "v3"], default="v1",
+    ap.add_argument("--task-set", choices=["v1", "v2", "v3", "v4"], default="v1",
                     help="v1: math and code (the first models); v2: adds the long chain and "
                          "list families, trained with length buckets (name <model>-v2); v3: "
-                         "math, code and the long walk and table families (name <model>-v3)")
+                         "math, code and the long walk and table families (name <model>-v3); "
+                         "v4: v3 with the labels of walk and table counting down to (1) "
+                         "(name <model>-v4)")
     ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead")
     ap.add_argument("--lr", type=float, default=None)
@@ -82,8 +84,9 @@ def main(argv=None):
     from asynclane_jax.testbed import train
 
     family = "llada" if args.model == "tiny-llada" else "dream"
-    if args.task_set in ("v2", "v3"):
-        config = train.v2_config if args.task_set == "v2" else train.v3_config
+    if args.task_set in ("v2", "v3", "v4"):
+        config = {"v2": train.v2_config, "v3": train.v3_config,
+                  "v4": train.v4_config}[args.task_set]
 
         def make(**changes):
             return config(family, **changes)

@@ -142,7 +142,7 @@ def test_v1_split_and_vocabulary_unchanged():
         tasks.heldout(3, ("math", "poetry"))
 
 
-@pytest.mark.parametrize("task_set", ["v2", "v3"])
+@pytest.mark.parametrize("task_set", ["v2", "v3", "v4"])
 def test_the_training_stream_skips_held_out_prompts(task_set):
     held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, task_set)}
     stream = tasks.problem_stream(families=task_set)
@@ -193,7 +193,7 @@ def test_bucket_policies_and_the_line_count_curriculum():
         train.BucketedStream(iter([]), buckets, "best")
 
 
-@pytest.mark.parametrize("task_set", ["v2", "v3"])
+@pytest.mark.parametrize("task_set", ["v2", "v3", "v4"])
 def test_the_line_count_curriculum_caps_the_long_families(task_set):
     """Capped at 4 lines, the long families' longer problems are redrawn shorter (never
     a held-out prompt), only the first bucket can be filled, and lifting the cap opens

@@ -1,4 +1,5 @@
-"""The task set v3: walk (chained) and table (independent), with a fixed-length header."""
+"""The task sets v3 and v4: walk (chained) and table (independent), with a fixed-length
+header; v4 has the same problems with their labels counting down (walk-down, table-down)."""
 
 from __future__ import annotations
 
@@ -127,3 +128,36 @@ def test_residual_reading_rules_of_walk_and_table():
             step = int(t[4])
             keeps = 0 <= (int(t[6]) + step if t[3] == "+" else int(t[6]) - step) <= 9
             assert (nxt[3] == t[3]) == keeps
+
+
+@pytest.mark.parametrize("family", ["walk", "table"])
+def test_v4_is_v3_with_the_labels_counting_down(family):
+    """Drawn from the same random state, a v4 problem has the v3 problem's lines (free
+    choices included) and answer; only the labels, now n .. (1), and the header's span
+    differ. So the last working line is always (1), and the stop needs no comparison."""
+    from asynclane_jax.testbed import residual
+
+    for seed in range(30):
+        up = tasks.MAKERS[family](random.Random(seed))
+        down = tasks.MAKERS[f"{family}-down"](random.Random(seed))
+        n = len(up.lines) - 1
+        assert down.family == f"{family}-down" and down.answer == up.answer
+        assert down.prompt == up.prompt.replace(f"(1) to ({n})", f"({n}) to (1)")
+        lu, ld = _working(up), _working(down)
+        assert [t[0] for t in ld] == [f"({n - i})" for i in range(n)]
+        assert [t[1:] for t in ld] == [t[1:] for t in lu]
+        assert tasks.parse_lines(down.response)[-1] == tasks.parse_lines(up.response)[-1]
+        assert tasks.check(down, down.response) and not tasks.check(down, up.response)
+        assert all(residual.read_slots(down.family, t) == residual.read_slots(family, t)
+                   for t in ld)
+    stats = tasks.split_stats(tasks.heldout(1000, "v4"))
+    assert stats["frac_over_128"] >= 0.30 and stats["frac_over_256"] >= 0.10
+    assert set(stats["families"]) == {"math", "code", "walk-down", "table-down"}
+    cfg = train.v4_config("dream")
+    assert cfg.name == "tiny-dream-v4" and cfg.task_set == "v4"
+    assert stats["max_prompt_tokens"] <= cfg.buckets[0][0]
+    # The held-out splits are the same problems, so v3 and v4 results compare row by row.
+    for a, b in zip(tasks.heldout(400, "v3"), tasks.heldout(400, "v4")):
+        assert b.family == (a.family if a.family in ("math", "code") else f"{a.family}-down")
+        assert b.answer == a.answer and len(b.lines) == len(a.lines)
+        assert (a.prompt == b.prompt) == (a.family in ("math", "code"))

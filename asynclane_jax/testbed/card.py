@@ -21,12 +21,12 @@ def _examples(sample: list[tasks.Problem], families=tasks.FAMILIES) -> list[str]
     """The shortest problem of each family in `sample`, as prompt and response lines."""
     from asynclane_jax.testbed import tokenizer as tok
 
-    out = []
+    out, width = [], max(6, *(len(f) for f in families))
     for fam in families:
         p = min((q for q in sample if q.family == fam), key=tasks.answer_tokens)
         resp = p.response.replace("\n", "\\n")
-        out += [f"{fam:<6} {tok.USER} {p.prompt} {tok.ASSISTANT}",
-                f"       {resp} {tok.EOS} ..."]
+        out += [f"{fam:<{width}} {tok.USER} {p.prompt} {tok.ASSISTANT}",
+                f"{'':<{width}} {resp} {tok.EOS} ..."]
     return out
 
 
@@ -128,11 +128,20 @@ _LONG_FAMILY_TEXT = {
            "only the header and its own label)",
            " (for walk and table a prompt is exactly its (start, step, line count) "
            "triple)"),
+    "v4": ("two long ones of one surface form whose prompt is a fixed-length header and "
+           "whose labels count down to (1), walk-down (every working line moves the "
+           "previous line's result by the header's step, turning at 0 and 9: chained) "
+           "and table-down (the i-th line adds the header's operand to the digit i - 1 "
+           "places after the header's start, mod 10: every line reads only the header "
+           "and its own label); they are v3's walk and table with the labels reversed, "
+           "so the last line is always (1)",
+           " (for walk-down and table-down a prompt is exactly its (start, step, line "
+           "count) triple)"),
 }
 
 
 def _long_task(task_set: str, sample) -> list[str]:
-    """The card's task section of a set with long families (v2, v3)."""
+    """The card's task section of a set with long families (v2, v3, v4)."""
     described, held_note = _LONG_FAMILY_TEXT[task_set]
     families = tasks.families_of(task_set)
     long = _long_names(task_set)
@@ -162,7 +171,7 @@ def train_command(tc: dict) -> str:
     """The experiments/train_testbed.py command that trains a run of this config."""
     base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
     flags = [f"--model {base}", f"--minutes {tc['minutes']:g}"]
-    if tc["name"] not in (base, f"{base}-v2", f"{base}-v3"):
+    if tc["name"] not in (base, f"{base}-v2", f"{base}-v3", f"{base}-v4"):
         flags.append(f"--name {tc['name']}")
     if tc.get("init_from"):
         flags.append(f"--init-from {tc['init_from']}")  # it sets the architecture

@@ -53,6 +53,7 @@ def read_slots(family: str, line: list[str]) -> set[int]:
     walk  "(i) C v s c = r , S r": the result (both copies) and the sign, which sets the
           next line's direction.
     table nothing: each line reads only the header and its own label.
+    walk-down, table-down: as walk and table (only their labels differ).
     The answer line is read by nothing.
     """
     if not line or line[0] == "answer":
@@ -63,9 +64,9 @@ def read_slots(family: str, line: list[str]) -> set[int]:
         return {3, 6} if line[0] == "(0)" else {8, 11}
     if family == "chain":
         return {6, 9}
-    if family == "walk":
+    if family in ("walk", "walk-down"):
         return {3, 6, 9}
-    if family in ("list", "table"):
+    if family in ("list", "table", "table-down"):
         return set()
     raise ValueError(f"family {family!r}: no reading rule")
 

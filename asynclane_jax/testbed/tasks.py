@@ -69,6 +69,17 @@ prompts are the header's parameters and nothing else (10 x 5 x 33 = 1,650 of eac
 the training stream, which skips held-out prompts, never sees a held-out (start, step,
 line count) triple.
 
+The set "v4" is v3 with the labels of walk and table counting down to (1) (families
+walk-down and table-down): the lines, their values and the answer are those of the
+same v3 problem, and only the labels and the header's span change. The last line is
+always (1), so a model knows where to stop from the line it is on, not by matching its
+label with the header (what tiny-llada-v3 failed to learn: it seldom stopped):
+
+  walk-down  prompt:   walk from 7 by 3 : lines (4) to (1) .
+             response: (4) then 7 - 3 = 4 , so 4 \n (3) next 4 - 3 = 1 , thus 1 \n
+                       (2) also 1 + 3 = 4 , so 4 \n (1) then 4 + 3 = 7 , hence 7 \n
+                       answer : 7
+
 Splits are fixed: the held-out split is drawn from its own seed, and the training stream
 skips any problem whose prompt occurs among the first HELDOUT_POOL held-out problems of
 the same task set.
@@ -93,11 +104,14 @@ from asynclane_jax.testbed.words import (
 )
 
 TASK_SETS = {"v1": ("math", "code"), "v2": ("math", "code", "chain", "list"),
-             "v3": ("math", "code", "walk", "table")}
+             "v3": ("math", "code", "walk", "table"),
+             "v4": ("math", "code", "walk-down", "table-down")}
 DEFAULT_TASK_SET = "v1"  # what the first shipped models (tiny-llada, tiny-dream) know
 FAMILIES = TASK_SETS[DEFAULT_TASK_SET]
 LONG_FAMILIES = ("chain", "list")  # v2: statements labelled in the prompt
-HEADER_FAMILIES = ("walk", "table")  # v3: a fixed-length header says everything
+# v3 / v4: a fixed-length header says everything (v4: labels count down to (1)).
+HEADER_FAMILIES = ("walk", "table", "walk-down", "table-down")
+CHAINED_HEADER = ("walk", "walk-down")  # of them, those whose lines read the line before
 # Families of 2..LONG_STEPS working lines of one 11-token form, graded on every line.
 LINE_FAMILIES = LONG_FAMILIES + HEADER_FAMILIES
 MAX_VALUE = 9  # every intermediate value stays in 0..MAX_VALUE
@@ -186,7 +200,8 @@ def make_code(rng: random.Random, n_steps: int | None = None) -> Problem:
 
 
 def _long_line(rng: random.Random, i: int, value: int, sign: str, c: int) -> str:
-    """One working line of chain / list: (i) CONNECTIVE v +/- c = r , CONSEQUENCE r."""
+    """One working line of chain / list: (i) CONNECTIVE v +/- c = r , CONSEQUENCE r
+    (i is the label's number)."""
     new = _apply(value, sign, c)
     return (f"{label(i)} {rng.choice(CONNECTIVES)} {value} {sign} {c} = {new} , "
             f"{rng.choice(CONSEQUENCES)} {new}")
@@ -215,10 +230,16 @@ make_chain = functools.partial(_make_long, "chain")
 make_list = functools.partial(_make_long, "list")
 
 
-def _span_of_lines(n: int) -> str:
-    """The header's line count, written with the last line's own label, so that a line
-    knows it is the last one by matching its label, not by comparing it with a number."""
-    return f"lines (1) to {label(n)}"
+def _span_of_lines(n: int, down: bool = False) -> str:
+    """The header's line count, written with the first and last lines' own labels, so
+    that a line knows it is the last one by matching its label, not by comparing it
+    with a number. Counting down (v4), the last line is always (1)."""
+    return f"lines {label(n)} to (1)" if down else f"lines (1) to {label(n)}"
+
+
+def _line_label(i: int, n: int, down: bool) -> int:
+    """The label number of working line i (1-based) of n: i, or n - i + 1 counting down."""
+    return n - i + 1 if down else i
 
 
 def walk_step(value: int, step: int, sign: str = "+") -> tuple[str, int]:
@@ -232,7 +253,7 @@ def walk_step(value: int, step: int, sign: str = "+") -> tuple[str, int]:
     raise ValueError(f"step {step} from {value}: leaves 0..{MAX_VALUE} both ways")
 
 
-def make_walk(rng: random.Random, n_steps: int | None = None) -> Problem:
+def make_walk(rng: random.Random, n_steps: int | None = None, down: bool = False) -> Problem:
     """walk (chained): every line moves the previous line's result by the header's step,
     in the previous line's direction (up at first), turning where it would leave
     0..MAX_VALUE; so a line reads the line before it (its result and its sign).
@@ -241,16 +262,20 @@ def make_walk(rng: random.Random, n_steps: int | None = None) -> Problem:
     response: (1) then 7 - 3 = 4 , so 4 \n
               (2) next 4 - 3 = 1 , thus 1 \n (3) also 1 + 3 = 4 , so 4 \n
               (4) then 4 + 3 = 7 , hence 7 \n answer : 7
+
+    With down=True (walk-down, v4) the same problem has its labels counting down to
+    (1): `lines (4) to (1)`, and the lines are labelled (4), (3), (2), (1).
     """
     n = n_steps or rng.randint(*LONG_STEPS)
     value, step = rng.randint(0, MAX_VALUE), rng.randint(1, MAX_OPERAND)
-    prompt, lines, sign = f"walk from {value} by {step} : {_span_of_lines(n)} .", [], "+"
+    prompt = f"walk from {value} by {step} : {_span_of_lines(n, down)} ."
+    lines, sign = [], "+"
     for i in range(1, n + 1):
         sign, new = walk_step(value, step, sign)
-        lines.append(_long_line(rng, i, value, sign, step))
+        lines.append(_long_line(rng, _line_label(i, n, down), value, sign, step))
         value = new
     lines.append(f"answer : {value}")
-    return Problem("walk", prompt, " \n ".join(lines), value)
+    return Problem("walk-down" if down else "walk", prompt, " \n ".join(lines), value)
 
 
 def table_row(start: int, i: int) -> int:
@@ -258,22 +283,26 @@ def table_row(start: int, i: int) -> int:
     return (start + i - 1) % 10
 
 
-def make_table(rng: random.Random, n_steps: int | None = None) -> Problem:
+def make_table(rng: random.Random, n_steps: int | None = None, down: bool = False) -> Problem:
     """table (independent): line i adds the header's operand to table_row(start, i), so
     it reads only the header and its own label, never another line.
 
     prompt:   table of 3 from 8 : lines (1) to (4) .
     response: (1) then 8 + 3 = 11 , so 11 \n (2) also 9 + 3 = 12 , hence 12 \n
               (3) next 0 + 3 = 3 , so 3 \n (4) then 1 + 3 = 4 , thus 4 \n answer : 4
+
+    With down=True (table-down, v4) the lines are the same and their labels count down
+    to (1) (`lines (4) to (1)`): the line labelled L of n is line i = n - L + 1, so it
+    still reads only the header (start, operand, n) and its own label.
     """
     n = n_steps or rng.randint(*LONG_STEPS)
     add, start = rng.randint(1, MAX_OPERAND), rng.randint(0, MAX_VALUE)
-    prompt, lines = f"table of {add} from {start} : {_span_of_lines(n)} .", []
+    prompt, lines = f"table of {add} from {start} : {_span_of_lines(n, down)} .", []
     for i in range(1, n + 1):
-        lines.append(_long_line(rng, i, table_row(start, i), "+", add))
+        lines.append(_long_line(rng, _line_label(i, n, down), table_row(start, i), "+", add))
     value = table_row(start, n) + add
     lines.append(f"answer : {value}")
-    return Problem("table", prompt, " \n ".join(lines), value)
+    return Problem("table-down" if down else "table", prompt, " \n ".join(lines), value)
 
 
 def _is_label(token: str) -> bool:
@@ -300,11 +329,13 @@ def shuffle_statements(problem: Problem, rng: random.Random) -> Problem:
 
 
 MAKERS = {"math": make_math, "code": make_code, "chain": make_chain, "list": make_list,
-          "walk": make_walk, "table": make_table}
+          "walk": make_walk, "table": make_table,
+          "walk-down": functools.partial(make_walk, down=True),
+          "table-down": functools.partial(make_table, down=True)}
 
 
 def families_of(task_set: str) -> tuple[str, ...]:
-    """The families of a named task set ("v1", "v2", "v3")."""
+    """The families of a named task set ("v1" .. "v4")."""
     try:
         return TASK_SETS[task_set]
     except KeyError:

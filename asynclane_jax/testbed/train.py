@@ -186,7 +186,7 @@ V2_BUCKETS = ((32, 64, 32, 0.19), (64, 128, 16, 0.06), (96, 256, 8, 0.25),
               (144, 512, 4, 0.50))
 
 
-# Length buckets of the task set v3: its prompts are all within v1's 28 tokens (walk and
+# Length buckets of the task sets v3 and v4: their prompts are all within v1's 28 tokens (walk and
 # table have an 11-token header), so every bucket has the same prompt length.
 V3_BUCKETS = ((28, 64, 32, 0.19), (28, 128, 16, 0.06), (28, 256, 8, 0.25),
               (28, 512, 4, 0.50))
@@ -197,6 +197,13 @@ def v3_config(family: str = "llada", **changes) -> TrainConfig:
     base = v2_config(family)
     v3 = dict(name=base.name.replace("-v2", "-v3"), task_set="v3", buckets=V3_BUCKETS)
     return dataclasses.replace(base, **{**v3, **changes})
+
+
+def v4_config(family: str = "llada", **changes) -> TrainConfig:
+    """A model of the task set v4 (v3 with the labels counting down): v3's settings."""
+    base = v3_config(family)
+    v4 = dict(name=base.name.replace("-v3", "-v4"), task_set="v4")
+    return dataclasses.replace(base, **{**v4, **changes})
 
 
 def v2_config(family: str = "llada", **changes) -> TrainConfig:
