@@ -14,7 +14,10 @@ and model calls per token:
     iterations (death - split);
   acc_diff_vs: accuracy minus the reference variant's on the same problems, with a 95%
     paired bootstrap interval (2000 resamples).
-Per-problem records are saved too, so any other comparison can be made from the JSON.
+Per-problem records are saved too (with the family; "problem" is the index among the
+problems kept), so any other comparison can be made from the JSON, and accuracy is
+reported per family. The problems are the held-out split of the model's task set
+(--tasks to choose another), optionally only some of its families (--families).
 
 Usage: python experiments/asynclane_forking.py --model tiny-llada [--n 200]
        [--gen-length 256] [--variant NAME=SAMPLER:key=value:...]... [--out FILE]
@@ -82,7 +85,8 @@ def record(res, problems, idx, check) -> list[dict]:
     st = res.stats
     out = []
     for r, row in enumerate(res.tokens):
-        rec = {"problem": idx[r], "ok": bool(check(problems[idx[r]], row)),
+        rec = {"problem": idx[r], "family": problems[idx[r]].family,
+               "ok": bool(check(problems[idx[r]], row)),
                "tokens": int(st.generated_tokens[r]),
                "calls": int(st.row_nfe_full[r] + st.row_nfe_partial[r]),
                "full_calls": int(st.row_nfe_full[r]), "steps": int(st.row_steps[r])}
@@ -103,7 +107,10 @@ def summarize(recs: list[dict], wall: float) -> dict:
     tokens = sum(r["tokens"] for r in recs)
     calls = sum(r["calls"] for r in recs)
     life = [x for r in recs for x in r["refine_lifetimes"]]
+    families = sorted({r["family"] for r in recs})
     return {"n": len(recs), "accuracy": float(np.mean([r["ok"] for r in recs])),
+            "by_family": {f: float(np.mean([r["ok"] for r in recs if r["family"] == f]))
+                          for f in families},
             "tps": tokens / wall if wall else 0.0, "calls_per_token": calls / tokens,
             "steps": float(np.mean([r["steps"] for r in recs])),
             "idle": float(np.mean([r["idle"] for r in recs])),
@@ -133,6 +140,11 @@ def main() -> int:
                     help="NAME=SAMPLER[:key=value...] (repeatable; default: the five above)")
     ap.add_argument("--reference", default="lanes-off", help="variant the accuracy "
                     "differences are taken against")
+    ap.add_argument("--tasks", default=None, metavar="v1|v2|v3|v4",
+                    help="testbed task set (default: the model's)")
+    ap.add_argument("--families", default=None,
+                    help="comma-separated families to keep (default: all of the set); "
+                         "--n counts the problems kept")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -142,7 +154,13 @@ def main() -> int:
 
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     model, tok, _ = asynclane_jax.load(args.model)
-    problems = tasks.split("heldout", args.n)
+    task_set = args.tasks or tasks.model_task_set(args.model)
+    keep = set(args.families.split(",")) if args.families else set(tasks.families_of(task_set))
+    unknown = keep - set(tasks.families_of(task_set))
+    if unknown:
+        raise SystemExit(f"--families: {', '.join(sorted(unknown))} not in {task_set}")
+    problems = [p for p in tasks.heldout(len(tasks.families_of(task_set)) * args.n, task_set)
+                if p.family in keep][:args.n]
     prompts = evaluate.prompts_for(problems, tok)
     bucket = max(len(p) for p in prompts)
     G = args.gen_length
@@ -173,7 +191,8 @@ def main() -> int:
                f"acc_diff_vs_{variants[ref][0]}": paired_diff(recs[k], recs[ref])}
         rows.append(row)
     meta = {"model": args.model, "gen_length": G, "n": args.n, "batch": 1,
-            "split": "heldout", "reference": variants[ref][0],
+            "split": "heldout", "task_set": task_set, "families": sorted(keep),
+            "reference": variants[ref][0],
             "command": shlex.join(["python", "experiments/asynclane_forking.py",
                                    *sys.argv[1:]])}
     head = ("variant", "accuracy", "diff vs ref [95% CI]", "tok/s", "calls/token", "steps",

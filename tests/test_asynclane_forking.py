@@ -147,7 +147,7 @@ def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations
     assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
 
 
-def test_refresh_or_requery_at_fork_re_encodes_the_prefix_a_fork_leaves_behind():
+def test_refresh_requery_or_fresh_fork_re_encodes_the_prefix_a_fork_leaves_behind():
     # One extra query slot: it goes to the refine lane's unsure mask, so without a
     # refresh the prefix's committed positions keep the K/V computed from the mask.
     table = unsure_lines_table(64, 8)
@@ -191,6 +191,14 @@ def test_refresh_or_requery_at_fork_re_encodes_the_prefix_a_fork_leaves_behind()
     assert len(after_q) >= 6 and not any(after_q)
     assert int(state_q.refreshes[0]) == int(state.refreshes[0])  # no refresh added
     assert stale_q < stale_off, (stale_q, stale_off)
+    # fork_when_fresh instead: a prefix forks only once its committed positions are
+    # re-encoded (by the window's own queries), so no refine lane reads stale K/V and
+    # no full forward is added; the forks come later, not fewer.
+    tokens_f, _, state_f, stale_f, after_f = run(refresh_at_fork=False, fork_when_fresh=True)
+    np.testing.assert_array_equal(tokens_f, want)
+    assert len(after_f) >= 6 and not any(after_f)
+    assert int(state_f.refreshes[0]) == int(state.refreshes[0])
+    assert stale_f == 0, stale_f
 
 
 def test_the_old_wait_rule_idles_where_the_default_does_not():

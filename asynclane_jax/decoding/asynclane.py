@@ -330,12 +330,17 @@ def retire_phase(ctx: Context, new, lanes: LaneState) -> LaneState:
 
 
 def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_length: int,
-               refine_window: int, stable_fraction: float, delimiter_ids: tuple[int, ...]):
+               refine_window: int, stable_fraction: float, delimiter_ids: tuple[int, ...],
+               fresh=None, query_slots: int = 0):
     """A committed delimiter in the window forks the generate lane.
 
     The fork point d is the last committed delimiter in the window [win, win + B) whose
     prefix [win, d] holds at most refine_window masks and is at least stable_fraction
-    committed, with a position left after it before the tail. A served row whose
+    committed, with a position left after it before the tail; given `fresh`, also
+    the prefix's masks and its committed positions whose cached K/V are stale must
+    together fit in `query_slots` (the next call's extra queries then re-encode every
+    stale one while serving the masks; a prefix committed in one go, as a row's first
+    call does, forks a call later, once the window's own queries re-encoded it). A served row whose
     generate lane is live and that has a free slot forks there: the generate lane's span
     ends at d + 1 and it becomes a refine lane (done at once when the prefix holds no
     mask), split at this step; the first free slot becomes the generate lane, starting
@@ -351,6 +356,9 @@ def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_le
       serve: [b] bool, the rows the call served.
       block_length, refine_window, stable_fraction: the schedule's settings.
       delimiter_ids: the token ids that fork (empty: no forking).
+      fresh: [b, G] bool, the columns whose cached K/V were computed from their
+        current token after this call (`fresh_columns`), or None (no such rule).
+      query_slots: with `fresh`, the most masked and stale positions a prefix may hold.
     Returns:
       (lanes with win, gen_slot, forks [b] and kind, start, end, parent, birth, death,
       split [b, M] updated; fork [b] bool: the row forked).
@@ -369,6 +377,9 @@ def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_le
     masks_upto = jnp.cumsum(in_win & new_masked, axis=-1)  # masks in [win, j]
     length = (j - lo + 1).astype(jnp.float32)
     stable = (masks_upto <= refine_window) & (1.0 - masks_upto / length >= stable_fraction)
+    if fresh is not None:  # the next call re-encodes every stale position of the prefix
+        stale_upto = jnp.cumsum(in_win & ~new_masked & ~fresh, axis=-1)
+        stable = stable & (masks_upto + stale_upto <= query_slots)
     d = jnp.max(jnp.where(delim & stable, j, -1), axis=-1)  # [b], -1: no fork point
 
     kind = lanes.kind
@@ -446,6 +457,20 @@ def advance_phase(ctx: Context, new, lanes: LaneState, frontier, serve, fork, *,
         peak=jnp.maximum(lanes.peak, active).astype(jnp.int32)), advance, gen_done
 
 
+def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput):
+    """[b, G] bool: the generated columns whose cached K/V are current after this call:
+    the call encoded them (a full forward encodes every column; a query at column c
+    encodes c) or they were fresh, and their token did not change (a commit makes a
+    column dirty: its cached K/V were computed from the mask)."""
+    P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
+    rows = jnp.arange(ctx.batch)[:, None]
+    # A query at column c encodes c (the target c + shift is what it predicts).
+    enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
+    encoded = jnp.zeros((ctx.batch, G), bool).at[rows, enc].set(True, mode="drop")
+    encoded = jnp.where(out.full, True, encoded) & out.serve[:, None]
+    return (lanes.fresh | encoded) & (new == gen)
+
+
 def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
                   gen_done, *, block_length: int, refresh_every: int,
                   refresh_at_advance: bool, horizon: int, tail_hidden: bool,
@@ -480,13 +505,8 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
       lanes with fresh [b, G] and since_full, need_full, visible, extend, refreshes [b]
       updated.
     """
-    P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
-    rows = jnp.arange(ctx.batch)[:, None]
-    # A query at column c encodes c (the target c + shift is what it predicts).
-    enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
-    encoded = jnp.zeros((ctx.batch, G), bool).at[rows, enc].set(True, mode="drop")
-    encoded = jnp.where(out.full, True, encoded) & out.serve[:, None]
-    fresh = (lanes.fresh | encoded) & (new == gen)
+    G = ctx.gen_length
+    fresh = fresh_columns(ctx, gen, new, lanes, out)
 
     full = out.serve & out.full
     since = jnp.where(full, 0, lanes.since_full + out.serve)
@@ -560,6 +580,12 @@ class AsyncLaneSchedule(Schedule):
         the B positions of the window it forked from (the prefix and the start of the
         new window) instead of the new window, so a cached call re-encodes the prefix;
         the rest of the new window waits one call for its predictions.
+      fork_when_fresh: a second compact alternative: a prefix forks only when its
+        masks and its committed positions with stale cached K/V together fit in the
+        extra_queries slots, so the next call re-encodes every stale one; a prefix
+        committed in one go forks a call later, after the window's own queries
+        re-encoded it. No full forward and no lost call. Pair it with
+        refresh_at_fork=false.
       cascade: cascading termination at the first committed end-of-text.
       cache: dual (cached calls between full forwards) or none (every call a full
         forward).
@@ -586,6 +612,7 @@ class AsyncLaneSchedule(Schedule):
     refresh_at_advance: bool = True
     refresh_at_fork: bool = True
     requery_at_fork: bool = False
+    fork_when_fresh: bool = False
     cascade: bool = True
     cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -779,7 +806,9 @@ class AsyncLaneSchedule(Schedule):
         lanes, fork = fork_phase(
             ctx, new, lanes, frontier, out.serve, block_length=B,
             refine_window=self.refine_window, stable_fraction=self.stable_fraction,
-            delimiter_ids=self.delimiter_ids if self.forking else ())
+            delimiter_ids=self.delimiter_ids if self.forking else (),
+            fresh=fresh_columns(ctx, gen, new, lanes, out) if self.fork_when_fresh else None,
+            query_slots=self.extra_queries)
         lanes, advance, gen_done = advance_phase(ctx, new, lanes, frontier, out.serve, fork,
                                                  block_length=B)
         lanes = refresh_phase(
