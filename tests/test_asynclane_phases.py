@@ -46,7 +46,7 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
                 end=jnp.asarray(end, jnp.int32), parent=slot, birth=slot, death=slot,
                 split=slot, fresh=jnp.zeros((b, G), bool), draft=jnp.full((b, G), -1, jnp.int32),
                 eos=row + G, visible=row + G, extend=jnp.zeros((b,), bool),
-                need_full=jnp.zeros((b,), bool), since_full=row, steps=row, forks=row,
+                need_full=jnp.zeros((b,), bool), since_full=row, full_win=row, steps=row, forks=row,
                 peak=row + 1, refreshes=row, cuts=row, idle=row)
     for k, v in fields.items():
         base[k] = jnp.broadcast_to(jnp.asarray(v, base[k].dtype), base[k].shape)
@@ -484,6 +484,17 @@ def test_refresh_decides_the_next_full_forward():
     eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=yes,
                      **REFRESH).need_full, [False])
     eq(refresh_phase(ctx, gen, gen, st, unserved, no, no, fork=yes, **kw).need_full, [False])
+    # refresh_travel: the window moved (here by forks: no advance) that far since the
+    # last full forward, whose window start full_win records.
+    kw = {**REFRESH, "refresh_travel": 4}
+    moved = st.replace(win=arr([5]), full_win=arr([1]))
+    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, fork=yes, **kw).need_full, [True])
+    eq(refresh_phase(ctx, gen, gen, moved.replace(full_win=arr([2])), call([[2]]), no, no,
+                     fork=yes, **kw).need_full, [False])  # 3 positions only
+    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, **REFRESH).need_full, [False])
+    out = refresh_phase(ctx, gen, gen, moved, call([[2]], full=True), no, no, **kw)
+    eq(out.full_win, [5])  # a full forward renews it: no refresh due
+    eq(out.need_full, [False])
 
 
 def test_refresh_extends_the_view_near_the_horizon():

@@ -111,6 +111,7 @@ class LaneState:
     extend: jax.Array  # [b] bool: the window nears the horizon; the next (full) call shows all
     need_full: jax.Array  # [b] bool: the row's next call must be a full forward
     since_full: jax.Array  # [b] calls serving the row since its last full forward
+    full_win: jax.Array  # [b] window start after the row's last full forward (0 at first)
     steps: jax.Array  # [b] iterations that served the row
     forks: jax.Array  # [b]
     peak: jax.Array  # [b] most active lanes at once
@@ -474,7 +475,8 @@ def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput):
 def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
                   gen_done, *, block_length: int, refresh_every: int,
                   refresh_at_advance: bool, horizon: int, tail_hidden: bool,
-                  fork=None, refresh_at_fork: bool = False) -> LaneState:
+                  fork=None, refresh_at_fork: bool = False,
+                  refresh_travel: int = 0) -> LaneState:
     """Cache bookkeeping: which cached K/V are current, and whether the next call of a
     row must be a full forward.
 
@@ -487,7 +489,9 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
     refresh_at_advance), when the row forked (with refresh_at_fork: the prefix left
     behind was committed while its cached K/V came from the mask, and the window's
     queries no longer re-encode it), or when the window nears the visible end (win + B
-    + horizon // 2 > visible; only with tail_hidden): that call also extends the view.
+    + horizon // 2 > visible; only with tail_hidden): that call also extends the view;
+    and, with refresh_travel, when the window has moved refresh_travel positions or more
+    since the row's last full forward (by forks as well as advances).
 
     Args:
       ctx: the canvas facts (P, G, T, shift).
@@ -500,10 +504,10 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
       block_length, refresh_every, refresh_at_advance, horizon: the schedule's settings.
       tail_hidden: the first call hid part of the canvas (the visible horizon is in use).
       fork: [b] bool from `fork_phase` (None: no row forked).
-      refresh_at_fork: the schedule's setting.
+      refresh_at_fork, refresh_travel: the schedule's settings.
     Returns:
-      lanes with fresh [b, G] and since_full, need_full, visible, extend, refreshes [b]
-      updated.
+      lanes with fresh [b, G] and since_full, full_win, need_full, visible, extend,
+      refreshes [b] updated.
     """
     G = ctx.gen_length
     fresh = fresh_columns(ctx, gen, new, lanes, out)
@@ -517,6 +521,9 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
         need = need | (advance & ~gen_done)
     if refresh_at_fork and fork is not None:  # the prefix left behind is re-encoded
         need = need | fork
+    full_win = jnp.where(full, lanes.win, lanes.full_win)
+    if refresh_travel:  # the window moved a block's worth since the cache was renewed
+        need = need | ((lanes.win - full_win >= refresh_travel) & ~gen_done)
     shown = full & lanes.extend
     visible = jnp.where(shown, G, lanes.visible)
     extend = lanes.extend & ~shown
@@ -525,7 +532,7 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
         extend = jnp.where(out.serve, extend | near, extend)
         need = need | near
     return lanes.replace(
-        fresh=fresh, since_full=since.astype(jnp.int32),
+        fresh=fresh, since_full=since.astype(jnp.int32), full_win=full_win.astype(jnp.int32),
         need_full=jnp.where(out.serve, need, lanes.need_full),
         visible=visible.astype(jnp.int32), extend=extend,
         refreshes=(lanes.refreshes + full).astype(jnp.int32))
@@ -585,7 +592,12 @@ class AsyncLaneSchedule(Schedule):
         extra_queries slots, so the next call re-encodes every stale one; a prefix
         committed in one go forks a call later, after the window's own queries
         re-encoded it. No full forward and no lost call. Pair it with
-        refresh_at_fork=false.
+        refresh_at_fork=false (and refresh_travel, below).
+      refresh_travel: a full forward once the window has moved this many positions
+        since the row's last one, by forks or advances (0: off). Forks move the window
+        without an advance, so with forking and no refresh at each fork the cache of
+        the canvas after the window is otherwise never renewed; refresh_travel=B
+        renews it as often as refresh_at_advance does with one lane.
       cascade: cascading termination at the first committed end-of-text.
       cache: dual (cached calls between full forwards) or none (every call a full
         forward).
@@ -613,6 +625,7 @@ class AsyncLaneSchedule(Schedule):
     refresh_at_fork: bool = True
     requery_at_fork: bool = False
     fork_when_fresh: bool = False
+    refresh_travel: int = 0
     cascade: bool = True
     cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -626,7 +639,7 @@ class AsyncLaneSchedule(Schedule):
         ops.check_threshold(n, self.relaxed_threshold, "relaxed_threshold")
         for field, low in (("block_length", 1), ("radius", 0), ("lookahead", 0), ("max_lanes", 1),
                            ("refine_window", 0), ("refine_budget", 0), ("extra_queries", 0),
-                           ("horizon", 0), ("refresh_every", 0)):
+                           ("horizon", 0), ("refresh_every", 0), ("refresh_travel", 0)):
             if getattr(self, field) < low:
                 raise SamplerError(f"{n}: {field}={getattr(self, field)} must be >= {low}")
         if not 0 <= self.stable_fraction <= 1:
@@ -706,7 +719,7 @@ class AsyncLaneSchedule(Schedule):
             visible=jnp.full((b,), self._first_visible(G), jnp.int32),
             extend=jnp.zeros((b,), bool),
             need_full=jnp.full((b,), self._first_visible(G) == G),
-            since_full=zeros, steps=zeros, forks=zeros,
+            since_full=zeros, full_win=zeros, steps=zeros, forks=zeros,
             peak=jnp.ones((b,), jnp.int32), refreshes=zeros, cuts=zeros, idle=zeros)
 
     # -- helpers ----------------------------------------------------------------------
@@ -815,7 +828,7 @@ class AsyncLaneSchedule(Schedule):
             ctx, gen, new, lanes, out, advance, gen_done, block_length=B,
             refresh_every=self.refresh_every, refresh_at_advance=self.refresh_at_advance,
             horizon=self.horizon, tail_hidden=self._first_visible(G) < G, fork=fork,
-            refresh_at_fork=self.refresh_at_fork)
+            refresh_at_fork=self.refresh_at_fork, refresh_travel=self.refresh_travel)
         qwin = lanes.win
         if self.requery_at_fork:  # the next call re-encodes the prefix left behind
             qwin = jnp.where(out.serve, jnp.where(fork, st.win, lanes.win), st.qwin)
