@@ -529,8 +529,9 @@ class Trainer:
     def __init__(self, tc: TrainConfig, run_dir: str | pathlib.Path | None = None):
         self.tc = tc
         self.cfg = tc.model_config()
-        self.model = DiffusionLM(self.cfg, rngs=nnx.Rngs(tc.seed))
-        self.graphdef, self.params = nnx.split(self.model)
+        # The weights live in self.params (restored, warm-started, trained); no model
+        # object is kept, so none can be read with stale weights: current_model() is one.
+        self.graphdef, self.params = nnx.split(DiffusionLM(self.cfg, rngs=nnx.Rngs(tc.seed)))
         self.tx = make_optimizer(tc)
         self.opt_state = self.tx.init(self.params)
         self.step_fn = make_train_step(self.graphdef, self.tx, tc.t_eps)
