@@ -258,10 +258,11 @@ def test_the_v3_card_describes_walk_and_table_from_the_split():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, task_set", [("tiny-llada-v2", "v2"), ("tiny-llada-v3", "v3")])
+@pytest.mark.parametrize("name, task_set", [("tiny-llada-v2", "v2"), ("tiny-llada-v3", "v3"),
+                                            ("tiny-llada-v4", "v4")])
 def test_shipped_long_task_models_record_their_tasks_and_solve_the_short_families(
         name, task_set):
-    """tiny-llada-v2 and -v3 load by name, record their task sets, and solve math and
+    """tiny-llada-v2, -v3 and -v4 load by name, record their task sets, and solve math and
     code (the families they learned; their model cards report the long ones they did
     not) with Fast-dLLM at gen length 256: at least 14 of the first 16 such held-out
     problems."""
