@@ -84,9 +84,9 @@ def main(argv=None):
     from asynclane_jax.testbed import train
 
     family = "llada" if args.model == "tiny-llada" else "dream"
-    if args.task_set in ("v2", "v3", "v4"):
-        config = {"v2": train.v2_config, "v3": train.v3_config,
-                  "v4": train.v4_config}[args.task_set]
+    long_configs = {"v2": train.v2_config, "v3": train.v3_config, "v4": train.v4_config}
+    if args.task_set in long_configs:
+        config = long_configs[args.task_set]
 
         def make(**changes):
             return config(family, **changes)

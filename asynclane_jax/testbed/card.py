@@ -171,7 +171,8 @@ def train_command(tc: dict) -> str:
     """The experiments/train_testbed.py command that trains a run of this config."""
     base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
     flags = [f"--model {base}", f"--minutes {tc['minutes']:g}"]
-    if tc["name"] not in (base, f"{base}-v2", f"{base}-v3", f"{base}-v4"):
+    task_set = tc.get("task_set", "v1")
+    if tc["name"] != (base if task_set == "v1" else f"{base}-{task_set}"):  # the default
         flags.append(f"--name {tc['name']}")
     if tc.get("init_from"):
         flags.append(f"--init-from {tc['init_from']}")  # it sets the architecture
