@@ -59,6 +59,10 @@ def main(argv=None):
                     help="v2: probability that a chain / list training problem lists its "
                          "statements in a random order, so they are found only by label "
                          "(default 0)")
+    ap.add_argument("--family-weights", default=None, metavar="W,W,...",
+                    help="relative weights of the task set's families in the training "
+                         "stream, in its order (e.g. 1,1,3,3 for v4: math, code, "
+                         "walk-down, table-down; default: uniform)")
     ap.add_argument("--name", default=None,
                     help="the run's and the shipped model's name (default: tiny-llada, "
                          "tiny-dream, or with -v2 for the task set v2)")
@@ -119,6 +123,14 @@ def main(argv=None):
     if args.shuffle_statements is not None and not 0 <= args.shuffle_statements <= 1:
         ap.error(f"--shuffle-statements {args.shuffle_statements:g}: expected a probability "
                  "from 0 to 1")
+    if args.family_weights is not None:
+        from asynclane_jax.testbed import tasks
+
+        try:
+            changes["family_weights"] = tasks.check_family_weights(
+                args.family_weights.split(","), args.task_set)
+        except ValueError as e:
+            ap.error(f"--family-weights {args.family_weights}: {e}")
     tc = make(**changes)
     if args.long_frac is not None:
         try:

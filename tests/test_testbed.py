@@ -240,6 +240,32 @@ def test_the_card_names_the_command_that_trains_the_run():
     assert card.train_command(v3) == (
         "python experiments/train_testbed.py --model tiny-llada --minutes 32 --init-from "
         "tiny-llada-v2 --t-max-start 0.25 --t-ramp 0.2 --task-set v3")
+    mixed = train.v4_config("llada", name="tiny-llada-v4b", init_from="tiny-llada-v4",
+                            lr=1e-3, family_weights=(1.0, 1.0, 3.0, 3.0)).to_dict()
+    assert card.train_command(mixed) == (
+        "python experiments/train_testbed.py --model tiny-llada --minutes 55 --name "
+        "tiny-llada-v4b --lr 0.001 --init-from tiny-llada-v4 --t-max-start 0.25 --t-ramp 0.2 "
+        "--task-set v4 --family-weights 1,1,3,3")
+    assert "walk-down 37.5%" in card._curriculum(mixed)
+    assert train.TrainConfig.from_dict(mixed).family_weights == (1.0, 1.0, 3.0, 3.0)
+
+
+def test_family_weights_set_the_mix_of_the_training_stream():
+    import collections
+    import itertools
+
+    uniform = [p.prompt for p in itertools.islice(tasks.problem_stream(families="v4"), 50)]
+    assert uniform == [p.prompt for p in tasks.split("train", 50, "v4")]
+    stream = tasks.problem_stream(families="v4", weights=(1, 0, 3, 4))
+    counts = collections.Counter(p.family for p in itertools.islice(stream, 4000))
+    assert counts["code"] == 0
+    for family, share in (("math", 1 / 8), ("walk-down", 3 / 8), ("table-down", 4 / 8)):
+        assert abs(counts[family] / 4000 - share) < 0.03, (family, counts)
+    held = {p.prompt for p in tasks.heldout(tasks.HELDOUT_POOL, "v4")}
+    assert not held & {p.prompt for p in itertools.islice(stream, 2000)}
+    for bad in ((1, 1, 1), (1, -1, 1, 1), (0, 0, 0, 0)):
+        with pytest.raises(ValueError, match="expected 4 weights"):
+            next(tasks.problem_stream(families="v4", weights=bad))
 
 
 def test_the_v3_card_describes_walk_and_table_from_the_split():

@@ -51,6 +51,12 @@ def _curriculum(tc: dict) -> str:
         out += (f" Statement order: {100 * tc['shuffle_statements']:g}% of the chain and list "
                 "training problems list their statements in a random order (the answer "
                 "keeps label order), so a line's statement can be found only by its label.")
+    if tc.get("family_weights"):
+        families = tasks.families_of(tc.get("task_set", "v1"))
+        total = sum(tc["family_weights"])
+        out += (" Family mix of the training stream: " + ", ".join(
+            f"{f} {100 * w / total:.1f}%" for f, w in zip(families, tc["family_weights"]))
+            + " of the problems drawn (the held-out split still alternates them).")
     return out
 
 
@@ -68,6 +74,8 @@ def _curriculum_flags(tc: dict) -> str:
             flags += " --lines-curriculum " + ",".join(f"{x:g}" for x in tc["lines_curriculum"])
         if tc.get("shuffle_statements"):
             flags += f" --shuffle-statements {tc['shuffle_statements']:g}"
+        if tc.get("family_weights"):
+            flags += " --family-weights " + ",".join(f"{w:g}" for w in tc["family_weights"])
         return flags
     return flags + f" --long-frac {long_frac(tc['regions']):g}"
 
@@ -117,26 +125,26 @@ def split_section(task_set: str, n: int = 1000) -> list[str]:
 
 # What differs between the task sets with long families: how the two long families
 # are described, and what the held-out note adds.
+def _header_text(walk: str, table: str, line: str, labels: str = "", after: str = ""):
+    """The description of v3's walk and table as a set names them (v4: counting down)."""
+    return (f"two long ones of one surface form whose prompt is a fixed-length header{labels}, "
+            f"{walk} (every working line moves the previous line's result by the header's "
+            f"step, turning at 0 and 9: chained) and {table} ({line} adds the header's operand "
+            "to the digit i - 1 places after the header's start, mod 10: every line reads "
+            f"only the header and its own label){after}",
+            f" (for {walk} and {table} a prompt is exactly its (start, step, line count) "
+            "triple)")
+
+
 _LONG_FAMILY_TEXT = {
     "v2": ("two long ones of one surface form, chain (every working line reads the "
            "previous line's result) and list (every line reads only its own statement in "
            "the prompt)", ""),
-    "v3": ("two long ones of one surface form whose prompt is a fixed-length header, walk "
-           "(every working line moves the previous line's result by the header's step, "
-           "turning at 0 and 9: chained) and table (line i adds the header's operand to "
-           "the digit i - 1 places after the header's start, mod 10: every line reads "
-           "only the header and its own label)",
-           " (for walk and table a prompt is exactly its (start, step, line count) "
-           "triple)"),
-    "v4": ("two long ones of one surface form whose prompt is a fixed-length header and "
-           "whose labels count down to (1), walk-down (every working line moves the "
-           "previous line's result by the header's step, turning at 0 and 9: chained) "
-           "and table-down (the i-th line adds the header's operand to the digit i - 1 "
-           "places after the header's start, mod 10: every line reads only the header "
-           "and its own label); they are v3's walk and table with the labels reversed, "
-           "so the last line is always (1)",
-           " (for walk-down and table-down a prompt is exactly its (start, step, line "
-           "count) triple)"),
+    "v3": _header_text("walk", "table", "line i"),
+    "v4": _header_text("walk-down", "table-down", "the i-th line",
+                       " and whose labels count down to (1)",
+                       "; they are v3's walk and table with the labels reversed, so the "
+                       "last line is always (1)"),
 }
 
 
@@ -174,6 +182,10 @@ def train_command(tc: dict) -> str:
     task_set = tc.get("task_set", "v1")
     if tc["name"] != (base if task_set == "v1" else f"{base}-{task_set}"):  # the default
         flags.append(f"--name {tc['name']}")
+    from asynclane_jax.testbed.train import TrainConfig
+
+    if tc.get("lr", TrainConfig.lr) != TrainConfig.lr:  # every shipped card's lr so far
+        flags.append(f"--lr {tc['lr']:g}")
     if tc.get("init_from"):
         flags.append(f"--init-from {tc['init_from']}")  # it sets the architecture
     else:

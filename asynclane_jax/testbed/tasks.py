@@ -396,15 +396,41 @@ def is_heldout(prompt: str, families=FAMILIES) -> bool:
     return prompt in _heldout_prompts(task_families(families))
 
 
-def problem_stream(seed: int = TRAIN_SEED, families=FAMILIES):
-    """An endless training stream that never yields a held-out prompt of its task set."""
+def check_family_weights(weights, families) -> tuple[float, ...]:
+    """Relative weights of a task set's families (one per family, in its order, none
+    negative, not all zero), as floats; ValueError otherwise."""
+    families = task_families(families)
+    weights = tuple(float(w) for w in weights)
+    if len(weights) != len(families) or min(weights) < 0 or not sum(weights) > 0:
+        raise ValueError(f"family weights {list(weights)}: expected {len(families)} weights "
+                         f"(for {', '.join(families)}), none negative, not all zero")
+    return weights
+
+
+def problem_stream(seed: int = TRAIN_SEED, families=FAMILIES, weights=None):
+    """An endless training stream that never yields a held-out prompt of its task set.
+
+    weights None: a family is drawn uniformly and a held-out draw is skipped (so the
+    families whose prompts the held-out split covers more of come a little less often;
+    the shipped models were trained on this stream). `weights` (relative, one per family
+    in the task set's order; check_family_weights): a family is drawn by weight and
+    redrawn from until its problem is not held out, so the stream's mix is the weights'.
+    """
     families = task_families(families)
     rng = random.Random(seed)
     excluded = _heldout_prompts(families)
+    if weights is None:
+        while True:
+            p = make_problem(rng, rng.choice(families))
+            if p.prompt not in excluded:
+                yield p
+    weights = check_family_weights(weights, families)
     while True:
-        p = make_problem(rng, rng.choice(families))
-        if p.prompt not in excluded:
-            yield p
+        family = rng.choices(families, weights)[0]
+        p = make_problem(rng, family)
+        while p.prompt in excluded:
+            p = make_problem(rng, family)
+        yield p
 
 
 def split(name: str, n: int, families=FAMILIES) -> list[Problem]:

@@ -78,6 +78,9 @@ class TrainConfig:
     # Probability that a chain / list training problem lists its statements in a random
     # order (tasks.shuffle_statements), so that they can be found only by their labels.
     shuffle_statements: float = 0.0
+    # Relative weights of the task set's families in the training stream (one per
+    # family, in tasks.TASK_SETS order); None: uniform.
+    family_weights: tuple | None = None
     lr: float = 2e-3
     min_lr_ratio: float = 0.03
     warmup_steps: int = 200
@@ -134,8 +137,9 @@ class TrainConfig:
         d["regions"] = [list(r) for r in self.regions]
         if self.buckets is not None:
             d["buckets"] = [list(b) for b in self.buckets]
-        if self.lines_curriculum is not None:
-            d["lines_curriculum"] = list(self.lines_curriculum)
+        for key in ("lines_curriculum", "family_weights"):
+            if d[key] is not None:
+                d[key] = list(d[key])
         return d
 
     @classmethod
@@ -149,8 +153,9 @@ class TrainConfig:
         for key in ("regions", "buckets"):
             if d.get(key) is not None:
                 d[key] = tuple(tuple(x) for x in d[key])
-        if d.get("lines_curriculum") is not None:
-            d["lines_curriculum"] = tuple(d["lines_curriculum"])
+        for key in ("lines_curriculum", "family_weights"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         return cls(**d)
 
     @property
@@ -528,6 +533,8 @@ class Trainer:
 
     def __init__(self, tc: TrainConfig, run_dir: str | pathlib.Path | None = None):
         self.tc = tc
+        if tc.family_weights is not None:
+            tasks.check_family_weights(tc.family_weights, tc.task_set)  # refused up front
         self.cfg = tc.model_config()
         # The weights live in self.params (restored, warm-started, trained); no model
         # object is kept, so none can be read with stale weights: current_model() is one.
@@ -548,7 +555,8 @@ class Trainer:
             self.params = warm_start_params(self.params, tc.init_from)
             self.opt_state = self.tx.init(self.params)
         self._stream = tasks.problem_stream(seed=tasks.TRAIN_SEED + 7919 * self.step + tc.seed,
-                                            families=tc.task_set)
+                                            families=tc.task_set,
+                                            weights=tc.family_weights)
         self.buckets = (BucketedStream(self._stream, tc.buckets, tc.bucket_policy,
                                        families=tc.task_set, seed=tc.seed + self.step,
                                        shuffle=tc.shuffle_statements)
