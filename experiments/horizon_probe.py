@@ -18,7 +18,11 @@ Views:
   visible V + end K  the first V masks and the last K columns of the canvas (their
                true positions), so the canvas end is in view;
   eos cut + M  the first (eos at of the full view) + M masks: a horizon set from the
-               model's own length estimate.
+               model's own length estimate;
+  visible V + every k  the first V masks and every k-th column of the rest of the
+               canvas (true positions); "+ bias" adds log k to the attention logits of
+               those tail keys, as if each stood for the k masks around it (the probe's
+               own attention, patched in for those views: `_biased_attention`).
 
 Usage: python experiments/horizon_probe.py --model tiny-llada-v4 [--n 40]
        [--gen-length 512] [--visible 128] [--out FILE]
@@ -27,6 +31,7 @@ Usage: python experiments/horizon_probe.py --model tiny-llada-v4 [--n 40]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -34,6 +39,42 @@ import sys
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+STRIDES = (4, 16)
+
+
+@contextlib.contextmanager
+def _biased_attention(key_bias):
+    """While active (key_bias a [T] array), the model's attention is a plain softmax
+    attention with key_bias added to every query's logits; None: the model's own."""
+    from asynclane_jax.models import model as model_module
+
+    if key_bias is None:
+        yield
+        return
+    import jax
+    import jax.numpy as jnp
+
+    own = model_module.attention
+
+    def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None,
+                  implementation=None):
+        del implementation
+        if q_block is not None:
+            raise NotImplementedError("the probe's attention is bidirectional")
+        group = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32))
+        s = s / np.sqrt(q.shape[-1]) + key_bias[None, None, None, :]
+        if key_mask is not None:
+            s = jnp.where(key_mask[:, None, None, :], s, -jnp.inf)
+        w = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", w, v.astype(jnp.float32)).astype(q.dtype)
+
+    model_module.attention = attention
+    try:
+        yield
+    finally:
+        model_module.attention = own
 
 
 def main(argv=None):
@@ -69,13 +110,20 @@ def main(argv=None):
     vocab = tok.vocabulary()
     G, V = args.gen_length, args.visible
 
-    def forward(prompt, n_masks, tail=0):
+    def forward(prompt, n_masks, tail=0, stride=0, bias=False):
         """Probabilities at the response positions of prompt + n_masks masks (+ the
-        canvas's last `tail` columns, at their true positions)."""
+        canvas's last `tail` columns, or every `stride`-th column after the first
+        n_masks, at their true positions)."""
         P = len(prompt)
-        positions = list(range(P + n_masks)) + list(range(P + G - tail, P + G))
-        tokens = prompt + [mask] * (n_masks + tail)
-        logits = model(jnp.asarray([tokens]), positions=jnp.asarray([positions]))
+        extra = (list(range(P + n_masks, P + G, stride)) if stride
+                 else list(range(P + G - tail, P + G)))
+        positions = list(range(P + n_masks)) + extra
+        tokens = prompt + [mask] * (n_masks + len(extra))
+        key_bias = None
+        if bias:
+            key_bias = jnp.asarray([0.0] * (P + n_masks) + [np.log(stride)] * len(extra))
+        with _biased_attention(key_bias):
+            logits = model(jnp.asarray([tokens]), positions=jnp.asarray([positions]))
         return np.asarray(jax.nn.softmax(logits[0, P:], axis=-1))
 
     def eos_at(probs):
@@ -83,7 +131,8 @@ def main(argv=None):
         return int(np.argmax(hit)) if hit.any() else int(probs.shape[0])
 
     views = ["full", f"visible {V}"] + [f"visible {V} + end {k}" for k in (1, 8, 32)] + [
-        f"eos cut + {m}" for m in (32, 96)]
+        f"eos cut + {m}" for m in (32, 96)] + [
+        f"visible {V} + every {k}{b}" for k in STRIDES for b in ("", " + bias")]
     records = []
     for p in problems:
         prompt = tok.prompt_ids(p.prompt)
@@ -96,22 +145,26 @@ def main(argv=None):
             outs[f"visible {V} + end {k}"] = forward(prompt, V, tail=k)
         for m in (32, 96):
             outs[f"eos cut + {m}"] = forward(prompt, min(G, end + m))
+        for k in STRIDES:
+            outs[f"visible {V} + every {k}"] = forward(prompt, V, stride=k)
+            outs[f"visible {V} + every {k} + bias"] = forward(prompt, V, stride=k, bias=True)
         # eos at: over the contiguous masks only (a view's end columns are not counted)
         row["views"] = {name: {"first": vocab[int(o[0].argmax())],
-                               "eos_at": eos_at(o[:V] if "+ end" in name else o)}
+                               "eos_at": eos_at(o[:V] if "+ end" in name or "every" in name
+                                                else o)}
                         for name, o in outs.items()}
         records.append(row)
 
     summary = {}
     print(f"{args.model} ({task_set}), {len(problems)} long-family problems, gen {G}; "
           f"reference answer tokens: mean {np.mean([r['answer_tokens'] for r in records]):.0f}")
-    print(f"{'view':<22} {'first label right':>18} {'eos at (mean)':>14}")
+    print(f"{'view':<30} {'first label right':>18} {'eos at (mean)':>14}")
     for name in views:
         right = sum(r["views"][name]["first"] == r["want"] for r in records)
         mean_eos = float(np.mean([r["views"][name]["eos_at"] for r in records]))
         summary[name] = {"first_label_right": right, "n": len(records),
                          "mean_eos_at": mean_eos}
-        print(f"{name:<22} {right:>11} of {len(records):<4} {mean_eos:>14.1f}")
+        print(f"{name:<30} {right:>11} of {len(records):<4} {mean_eos:>14.1f}")
     out = pathlib.Path(args.out) if args.out else RESULTS / f"horizon_probe_{args.model}.json"
     out.write_text(json.dumps({"meta": {"model": args.model, "task_set": task_set,
                                         "gen_length": G, "visible": V,
