@@ -357,7 +357,13 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
     options = dict(options or {})
     if batch < 1 or gen_length < 1 or prompt_len < 1:
         raise AotError("batch, gen_length and prompt_len must be positive")
-    schedule = make_schedule(sampler, gen_length=gen_length, **options).bind(None, cfg)
+    schedule = make_schedule(sampler, gen_length=gen_length, **options)
+    if getattr(schedule, "delimiter_ids", ()) is None and getattr(schedule, "max_lanes", 1) != 1:
+        # No tokenizer here to find AsyncLane's newline tokens: one stand-in id (the
+        # end-of-text) forks instead. The ids are constants of the program, so the
+        # compiled size and memory are those of the real decode.
+        schedule = dataclasses.replace(schedule, delimiters=str(cfg.eos_token_id))
+    schedule = schedule.bind(None, cfg)
     tpu = tpu_slice(topology, hbm_gib)
     try:
         plan = sharding.plan_for(cfg, _mesh(mesh, tpu), heads=heads)

@@ -24,13 +24,14 @@ table), and AsyncLane's speed-ups are reported against the fastest baseline of e
 separately:
   (a) `published`: the baselines as published (no early stop, no horizon, no cascade);
   (b) `early-stop`: the baselines with early_stop=true (no horizon, no cascade);
-  (c) `equal-footing`: the block baselines given AsyncLane's visible horizon and cascade
-    (horizon > 0 and cascade=true; the default specs use AsyncLane's horizon=96 and
-    block 32, plus early_stop=true). At gen_length 256 and 512, AsyncLane and these rows
-    attend to the same 128 positions while the answer fits; the (a) and (b) rows decode
-    the whole canvas.
-Rows of `asynclane` itself are `asynclane`; a baseline with only one of horizon and
-cascade is `other` and in no comparison.
+  (c) `equal-footing`: the block baselines given AsyncLane's mid-block cascade
+    (cascade=true; the default specs add early_stop=true) and the visible horizon
+    AsyncLane's row uses: none by default, as AsyncLane's default is none. An asynclane
+    row's (c) speed-up is over the fastest (c) row with its own horizon (`horizon`,
+    0 when not given), so `asynclane:horizon=96` meets `fast-dllm:horizon=96:cascade=true`
+    and the default asynclane meets the horizon-free rows.
+Rows of `asynclane` itself are `asynclane`; a baseline with a horizon but no cascade is
+`other` and in no comparison.
 
 Row fields (one row per spec and generation length):
   model, sampler (the spec as given), options (the options of the variant chosen),
@@ -46,7 +47,8 @@ Row fields (one row per spec and generation length):
   speedup_vs_fastest_baseline: tps over the highest tps at the same gen_length among
     the (a) published rows (None when there is none);
   speedup_vs_fastest_early_stop: the same over the (b) early-stop rows;
-  speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows.
+  speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows with the
+    row's horizon.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ import numpy as np
 
 from asynclane_jax.errors import UsageError, run_command
 
-# The (c) specs: AsyncLane's horizon and cascade (its block_length, 32, is the default).
-EQUAL_FOOTING = "horizon=96:cascade=true:early_stop=true"
+# The (c) specs: AsyncLane's default cascade and horizon (none) and early stop (its
+# block_length, 32, is the default).
+EQUAL_FOOTING = "cascade=true:early_stop=true"
 DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
                     "localleap:early_stop=true", f"fast-dllm:{EQUAL_FOOTING}",
                     f"localleap:{EQUAL_FOOTING}", "asynclane")
@@ -235,11 +238,15 @@ def comparison_of(sampler: str, options: dict) -> str:
     equal-footing, asynclane or other."""
     if parse_spec(split_model(sampler)[0])[0] == NEW_SAMPLER:
         return NEW_SAMPLER
-    horizon = bool(options.get("horizon"))
-    cascade = options.get("cascade") is True
-    if horizon or cascade:
-        return "equal-footing" if horizon and cascade else "other"
+    if options.get("cascade") is True:
+        return "equal-footing"
+    if options.get("horizon"):
+        return "other"
     return "early-stop" if options.get("early_stop") is True else "published"
+
+
+def _horizon(row: dict) -> int:
+    return int(row["options"].get("horizon") or 0)
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
@@ -250,8 +257,11 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     for g in {r["gen_length"] for r in rows}:
         same = [r for r in rows if r["gen_length"] == g]
         for which, field in COMPARISONS.items():
-            best = max((r["tps"] for r in same if r["comparison"] == which), default=0.0)
             for r in same:
+                # (c) rows meet a row only at its own horizon; (a) and (b) have none.
+                best = max((o["tps"] for o in same if o["comparison"] == which
+                            and (which != "equal-footing" or _horizon(o) == _horizon(r))),
+                           default=0.0)
                 r[field] = r["tps"] / best if best > 0 else None
     return rows
 
@@ -438,12 +448,12 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "cascade). They decode every position of the canvas.",
               "- (b) early stop: the same with early_stop=true; they still attend to the "
               "whole canvas.",
-              "- (c) equal footing: block baselines given AsyncLane's visible horizon and "
-              "cascade (horizon > 0, cascade=true; the default specs use AsyncLane's "
-              "horizon=96 and block 32, plus early_stop=true). Like AsyncLane, they attend "
-              "only to the first block_length + horizon generated positions (128) until "
-              "the window nears their end; of the baselines, only these see a canvas of "
-              "the size AsyncLane sees at gen lengths above 128.",
+              "- (c) equal footing: block baselines given AsyncLane's mid-block cascade "
+              "(cascade=true; the default specs add early_stop=true) and the visible "
+              "horizon AsyncLane's row uses (none by default). An asynclane row is "
+              "compared with the (c) rows of its own horizon; a row with a horizon "
+              "attends only to the first block_length + horizon generated positions "
+              "until the window nears their end.",
               "- asynclane rows are compared with each; `other` rows with none.", "",
               "| " + " | ".join(TABLE_HEAD) + " |",
               "|" + "---|" * len(TABLE_HEAD)]

@@ -34,16 +34,19 @@ import sys
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-# Forking without the refresh at each fork, as the "Forking on" results were measured
-# (refresh_at_fork was added, and made the default when forking, after them).
-FORK = "max_lanes=16:refresh_at_fork=false"
-EQUAL_FOOTING = "horizon=96:cascade=true:early_stop=true:cache=dual"  # bench.py's (c), dual
+# AsyncLane's defaults changed (forking, fork_when_fresh, refresh_travel=32, no
+# relaxation, no horizon); results saved before that with `asynclane` and no option
+# used the old ones, which OLD_DEFAULTS spells out.
+OLD_DEFAULTS = ("max_lanes=1:relaxed_threshold=0.75:horizon=96:refresh_at_fork=true:"
+                "fork_when_fresh=false:refresh_travel=0")
+EQUAL_FOOTING = "cascade=true:early_stop=true:cache=dual"  # bench.py's (c), dual cache
 DEFAULT_VARIANTS = (
     "lanes-off=asynclane:max_lanes=1",
-    f"fork-wait=asynclane:{FORK}:progress=wait",
-    f"fork-refine-first=asynclane:{FORK}:progress=refine-first",
-    f"fork-best=asynclane:{FORK}:progress=best",
-    "fork-refresh=asynclane:max_lanes=16",
+    "default=asynclane",
+    f"old-default=asynclane:{OLD_DEFAULTS}",
+    "fork-refresh=asynclane:refresh_at_fork=true:fork_when_fresh=false:refresh_travel=0",
+    "fork-wait=asynclane:progress=wait",
+    f"fast-dllm-equal=fast-dllm:{EQUAL_FOOTING}",
     f"localleap-equal=localleap:{EQUAL_FOOTING}",
 )
 

@@ -73,7 +73,8 @@ def main(argv=None):
     ap.add_argument("--init-from", default=None,
                     help="warm start: a shipped model's name or a converted folder; the run "
                          "takes its architecture and weights (new vocabulary ids start "
-                         "random) and the model card says so")
+                         "random; a tiny-dream run may start from a LLaDA-style model and "
+                         "learns the logit shift) and the model card says so")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-dir", default=None, help="default: runs/<model>")
     ap.add_argument("--export", default=None,
@@ -103,9 +104,10 @@ def main(argv=None):
             changes.update(train.source_architecture(args.init_from), init_from=args.init_from)
         except (OSError, ValueError) as e:
             ap.error(f"--init-from: {e}")
-        source_family = changes.pop("family")
-        if source_family != family:
-            ap.error(f"--init-from {args.init_from}: a {source_family} model, not {family}")
+        # The run keeps its own family: a Dream-style run may start from a LLaDA-style
+        # model's weights (the parameter trees are the same; the logit shift is learned),
+        # as Dream-7B started from an autoregressive model's.
+        changes.pop("family")
     for field in ("lr", "d_model", "n_layers", "mlp_hidden", "qkv_bias", "t_max_start",
                   "t_ramp", "eval_n", "eval_gen_length", "bucket_policy", "shuffle_statements",
                   "name"):

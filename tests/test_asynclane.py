@@ -19,8 +19,12 @@ from asynclane_jax.testbed import evaluate, tasks
 # AsyncLane with forking, lookahead and the cascade off, refreshing at every block start.
 AS_FAST_DLLM = dict(max_lanes=1, lookahead=0, extra_queries=0, cascade=False,
                     refresh_at_advance=True, relaxed_threshold=0.9, horizon=0)
-# Forking at every newline of the shipped models' answers.
-FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8)
+# Forking at every newline of the shipped models' answers, with a full forward at each
+# fork (not the default: the defaults fork when the next call can re-encode the prefix).
+FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8, refresh_at_fork=True,
+               fork_when_fresh=False, refresh_travel=0)
+# One lane under the visible horizon of earlier releases (block 32 + 96 positions).
+HORIZON = dict(max_lanes=1, horizon=96, refresh_travel=0)
 
 
 def check_invariants(res, cfg, *, cascade: bool):
@@ -108,7 +112,7 @@ def test_lanes_fork_and_cascade_on_the_shipped_model(shipped_llada):
     np.testing.assert_array_equal(st_.row_nfe_full, st_.refreshes)
     # Without it, no full forward for each block: one per row (block decoding makes three).
     stale = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer,
-                     refresh_at_fork=False, **FORKING).stats
+                     **{**FORKING, "refresh_at_fork": False}).stats
     assert np.all(stale.forks >= 1)
     assert np.all(stale.refreshes == 1) and np.all(stale.row_nfe_full == 1)
     # The text is the model's: most answers right.
@@ -123,12 +127,21 @@ def test_defaults_on_the_shipped_model(shipped_llada):
     model, tokenizer, cfg, problems, prompts = shipped_llada
     res = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer)
     check_invariants(res, cfg, cascade=True)
-    # A full forward to start, and a refresh for each further block the answer needs.
-    longer = np.asarray(res.stats.generated_tokens) >= 32
+    st_ = res.stats
+    # The defaults fork at the answers' newlines, and no iteration commits nothing.
+    assert np.all(st_.forks >= 1) and np.all(st_.idle_steps == 0)
+    # No full forward at a fork (fork_when_fresh): one to start, and one once the window
+    # has travelled a block (refresh_travel=32), which only the 50-token answers do.
+    longer = np.asarray(st_.generated_tokens) >= 32
     assert longer.any() and not longer.all()
-    np.testing.assert_array_equal(res.stats.refreshes, 1 + longer)
-    np.testing.assert_array_equal(res.stats.row_nfe_full, res.stats.refreshes)
+    np.testing.assert_array_equal(st_.refreshes, 1 + longer)
+    np.testing.assert_array_equal(st_.row_nfe_full, st_.refreshes)
     assert sum(evaluate.check(p, row) for p, row in zip(problems, res.tokens)) >= 4
+    # Lanes off (max_lanes=1): no forks, and never fewer iterations for a row.
+    off = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer,
+                   max_lanes=1).stats
+    assert np.all(off.forks == 0)
+    assert np.all(st_.row_steps <= off.row_steps) and st_.row_steps.sum() < off.row_steps.sum()
 
 
 def test_the_horizon_hides_the_tail_until_the_window_nears_it(shipped_llada):
@@ -139,9 +152,9 @@ def test_the_horizon_hides_the_tail_until_the_window_nears_it(shipped_llada):
     # the window moves to its second block re-encodes only those columns.
     for refresh in (False, True):
         long = generate(model, prompts, sampler="asynclane", gen_length=256,
-                        tokenizer=tokenizer, refresh_at_advance=refresh)
+                        tokenizer=tokenizer, refresh_at_advance=refresh, **HORIZON)
         short = generate(model, prompts, sampler="asynclane", gen_length=128,
-                         tokenizer=tokenizer, refresh_at_advance=refresh)
+                         tokenizer=tokenizer, refresh_at_advance=refresh, **HORIZON)
         check_invariants(long, cfg, cascade=True)
         np.testing.assert_array_equal(long.tokens[:, :128], short.tokens)
         np.testing.assert_array_equal(long.stats.row_nfe_full + 1, short.stats.row_nfe_full)
@@ -152,7 +165,7 @@ def test_the_horizon_hides_the_tail_until_the_window_nears_it(shipped_llada):
     # A small horizon (40 positions visible): an answer that runs past the first window
     # brings the window near it, and one full forward shows the whole canvas.
     near = generate(model, prompts, sampler="asynclane", gen_length=256, tokenizer=tokenizer,
-                    horizon=8)
+                    **{**HORIZON, "horizon": 8})
     check_invariants(near, cfg, cascade=True)
     past = np.asarray(near.stats.generated_tokens) >= 32
     assert past.any() and not past.all()
@@ -172,7 +185,7 @@ def test_dream_shipped_model_invariants():
     dict(gen_length=64, refresh_every=3, **FORKING),
     # A small horizon: rows whose answer runs past the first window take a full
     # forward at different iterations while the others wait.
-    dict(gen_length=160, horizon=8),
+    dict(gen_length=160, **{**HORIZON, "horizon": 8}),
 ], ids=["forking", "horizon"])
 def test_batch_rows_equal_single_runs_and_one_compilation(shipped_llada, opts):
     model, tokenizer, _, _, prompts = shipped_llada

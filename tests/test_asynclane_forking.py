@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_samplers import make_model, make_prompts
@@ -114,15 +115,23 @@ def overlap_steps(step, lanes) -> set[int]:
     return out
 
 
+# The fork rule these cases were made for: a full forward right after each fork (not
+# the default, which forks when the next call can re-encode the prefix).
 CASE = dict(gen_length=64, block_length=8, horizon=0, cascade=True, delimiters=str(NL),
-            extra_queries=4, relaxed_threshold=0.9)
+            extra_queries=4, relaxed_threshold=0.9, refresh_at_fork=True,
+            fork_when_fresh=False, refresh_travel=0)
+# The defaults' fork rule (fork_when_fresh, refresh_travel) on the same case; a line's
+# prefix (8 positions, committed in one call) fits the 8 query slots, so it forks at once.
+FRESH = {**CASE, "refresh_at_fork": False, "fork_when_fresh": True, "refresh_travel": 8,
+         "extra_queries": 8}
 
 
-def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations():
+@pytest.mark.parametrize("case", [CASE, FRESH], ids=["refresh-at-fork", "fork-when-fresh"])
+def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations(case):
     table = unsure_lines_table(64, 8)
     off_tokens, off_step, off_iters, off_state = drive(
-        AsyncLaneSchedule(max_lanes=1, **CASE), table)
-    tokens, step, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **CASE), table)
+        AsyncLaneSchedule(max_lanes=1, **case), table)
+    tokens, step, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **case), table)
     # The same text: the model's prediction at every position.
     want = np.argmax(table, axis=-1)
     np.testing.assert_array_equal(off_tokens, want)
@@ -156,7 +165,7 @@ def test_refresh_requery_or_fresh_fork_re_encodes_the_prefix_a_fork_leaves_behin
 
     def run(**kw):
         calls = []
-        tokens, _, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **case, **kw),
+        tokens, _, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **{**case, **kw}),
                                         table, calls)
         stale, after_fork = 0, []
         for t, (full, lanes, gen) in enumerate(calls):
@@ -177,7 +186,7 @@ def test_refresh_requery_or_fresh_fork_re_encodes_the_prefix_a_fork_leaves_behin
     want = np.argmax(table, axis=-1)
     tokens, iters, state, stale_off, after_off = run(refresh_at_fork=False)
     assert int(state.forks[0]) >= 6 and not any(after_off)
-    tokens_r, iters_r, state_r, stale_on, after_on = run()  # the default: on
+    tokens_r, iters_r, state_r, stale_on, after_on = run(refresh_at_fork=True)
     np.testing.assert_array_equal(tokens, want)
     np.testing.assert_array_equal(tokens_r, want)
     assert len(after_on) >= 6 and all(after_on)  # every fork is followed by a full forward

@@ -11,7 +11,8 @@ row is served by the same model call.
 Everything is a fixed-shape array in the driver's loop carry, and fork, terminate and
 refresh are masked array updates; one program per (settings, shapes).
 
-The visible horizon. A row's first call is not a full forward over the whole canvas
+The visible horizon (an option, off by default; block.py gives the baselines the same
+one). With horizon > 0 a row's first call is not a full forward over the whole canvas
 but a cached call over the prompt and the first block_length + horizon generated
 positions, which attend only to each other; the rest of the canvas stays out of
 attention (its K/V are never computed) until the window comes within horizon/2 of the
@@ -30,10 +31,13 @@ One iteration (per row):
   2. Full refresh. A full forward serves a row when its window nears the horizon (it
      then shows the whole canvas), every `refresh_every`-th call when that is set, and,
      with `refresh_at_advance` (the default), after the window moves to a new block, as
-     Fast-dLLM's dual cache does, and with `refresh_at_fork` (the default), after a
-     fork (the prefix the window leaves behind was committed while its K/V came from
-     the mask, and only the refine lanes' masks are queried there afterwards); under
-     the horizon these re-encode only the visible part. With horizon 0 the row's first
+     Fast-dLLM's dual cache does, with `refresh_travel` (32 by default) once the window
+     has moved that far since the last one, by forks or advances, and with
+     `refresh_at_fork` (off by default: `fork_when_fresh` re-encodes the prefix in the
+     next cached call instead), after a fork (the prefix the window leaves behind was
+     committed while its K/V came from the mask, and only the refine lanes' masks are
+     queried there afterwards); under the horizon these re-encode only the visible
+     part. With horizon 0 (the default) the row's first
      call is one too. Its logits decode that step. Rows that need no refresh wait for
      one iteration while a full forward serves the rows that do (so each row decodes
      exactly as it would alone).
@@ -54,15 +58,16 @@ One iteration (per row):
      A refine lane with no masks left is done. A row is finished when no generated
      position is masked.
 
-Defaults are the settings measured fastest at the baselines' accuracy on the shipped
-models (experiments/results/asynclane.md): one lane (max_lanes=1: on the testbed's
-chained arithmetic every line needs the previous line's result, and forking cost calls
-and accuracy), no lookahead, the visible horizon, the cascade, compact refresh, and a
-refresh of the visible part when the window moves to a new block (without it tiny-dream
-lost 4 points) or forks (without it forking lost 16 to 29 points: the forked prefix was
-read through stale K/V). Set max_lanes (e.g. 16) to fork at delimiters: with the
-refresh at each fork it is as accurate as one lane and takes fewer iterations, but the
-full forwards make it slower in tokens/s on the shipped models.
+Defaults (experiments/results/asynclane.md): forking at newlines (max_lanes=16), a
+prefix forking only when the next call can re-encode it (fork_when_fresh, so no full
+forward at a fork), a refresh of the canvas once the window has travelled a block
+(refresh_travel=32), no relaxation (relaxed_threshold = threshold), no lookahead, no
+horizon (the whole canvas is attended: on the long answers of tiny-llada-v4b a horizon
+of 96 cost about 30 points, for Fast-dLLM given it as much as for AsyncLane), and the
+cascade. On 500 held-out problems of tiny-llada-v4b at gen_length 512 these defaults
+scored 95.0% at 1821 tokens/s where one lane with the same rules scored 93.2% at 1403
+and Fast-dLLM with early stop and the cascade 93.2% at 1488. max_lanes=1 turns the
+lanes off; horizon=96 gives the visible horizon of earlier releases.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
@@ -77,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import ClassVar
 
 import jax
@@ -86,6 +92,8 @@ from flax import struct
 from asynclane_jax.decoding import ops
 from asynclane_jax.decoding.lanes import DONE, FREE, GENERATE, REFINE, TERMINATED, LaneStats
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
+
+DEFAULT_MAX_LANES = 16  # lane slots when max_lanes is not given and the delimiters are known
 
 
 @struct.dataclass
@@ -555,7 +563,9 @@ class AsyncLaneSchedule(Schedule):
         prediction equals its lookahead draft (capped at threshold).
       max_lanes: lane slots per row (the lane tree's size); each fork takes one, and
         forking stops when they run out (1: no forking; the window works through
-        the canvas block by block).
+        the canvas block by block). Default (None): DEFAULT_MAX_LANES (16) when the
+        delimiters are known (a tokenizer, or delimiters given as ids), else one lane,
+        with a warning.
       delimiters: where lanes fork: newline (every token whose text contains a
         newline; needs the tokenizer when max_lanes > 1), none, or comma-separated
         token ids.
@@ -608,24 +618,24 @@ class AsyncLaneSchedule(Schedule):
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "delimiter_ids")
     block_length: int = 32
     threshold: float = 0.9
-    relaxed_threshold: float = 0.75
+    relaxed_threshold: float = 0.9
     radius: int = 4
     lookahead: int = 0
     draft_threshold: float = 0.7
-    max_lanes: int = 1
+    max_lanes: int | None = None
     delimiters: str = "newline"
     refine_window: int = 4
     stable_fraction: float = 0.5
     refine_budget: int = 4
     progress: str = "refine-first"
     extra_queries: int = 4
-    horizon: int = 96
+    horizon: int = 0
     refresh_every: int = 0
     refresh_at_advance: bool = True
-    refresh_at_fork: bool = True
+    refresh_at_fork: bool = False
     requery_at_fork: bool = False
-    fork_when_fresh: bool = False
-    refresh_travel: int = 0
+    fork_when_fresh: bool = True
+    refresh_travel: int = 32
     cascade: bool = True
     cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -640,7 +650,7 @@ class AsyncLaneSchedule(Schedule):
         for field, low in (("block_length", 1), ("radius", 0), ("lookahead", 0), ("max_lanes", 1),
                            ("refine_window", 0), ("refine_budget", 0), ("extra_queries", 0),
                            ("horizon", 0), ("refresh_every", 0), ("refresh_travel", 0)):
-            if getattr(self, field) < low:
+            if getattr(self, field) is not None and getattr(self, field) < low:
                 raise SamplerError(f"{n}: {field}={getattr(self, field)} must be >= {low}")
         if not 0 <= self.stable_fraction <= 1:
             raise SamplerError(f"{n}: stable_fraction={self.stable_fraction} must be in [0, 1]")
@@ -649,7 +659,7 @@ class AsyncLaneSchedule(Schedule):
                                f"{', '.join(PROGRESS_RULES)}")
         if self.cache not in ("dual", "none"):
             raise SamplerError(f"{n}: cache={self.cache!r}: expected dual or none")
-        if self.max_lanes > 1 and self.extra_queries == 0:
+        if self.max_lanes != 1 and self.extra_queries == 0:
             raise SamplerError(f"{n}: forking (max_lanes > 1) needs extra_queries >= 1 "
                                "to serve the refine lanes")
         if self.delimiter_ids is None and self.delimiters not in ("newline", "none"):
@@ -674,14 +684,24 @@ class AsyncLaneSchedule(Schedule):
             if bad:
                 raise SamplerError(f"{self.name}: delimiter ids {bad} are outside the "
                                    f"vocabulary of {cfg.vocab_size}")
+            if self.max_lanes is None:
+                return dataclasses.replace(
+                    self, max_lanes=DEFAULT_MAX_LANES if self.delimiter_ids else 1)
             return self
         if self.max_lanes == 1:  # no forking: no delimiters needed
             return dataclasses.replace(self, delimiter_ids=())
         if tokenizer is None:
+            if self.max_lanes is None:  # the default: fork when the newlines are known
+                warnings.warn(
+                    f"{self.name}: no tokenizer to find the newline tokens it forks at, so "
+                    "it decodes with one lane; pass tokenizer=..., or delimiters as token "
+                    "ids, to fork (or max_lanes=1 to say so)", stacklevel=3)
+                return dataclasses.replace(self, delimiter_ids=(), max_lanes=1)
             raise SamplerError(
                 f"{self.name}: delimiters='newline' needs the tokenizer (generate(..., "
                 "tokenizer=...)); or give delimiters as token ids, or 'none'")
-        return dataclasses.replace(self, delimiter_ids=newline_tokens(tokenizer))
+        return dataclasses.replace(self, delimiter_ids=newline_tokens(tokenizer),
+                                   max_lanes=self.max_lanes or DEFAULT_MAX_LANES)
 
     # -- what the driver asks -------------------------------------------------------
     @property
@@ -690,7 +710,7 @@ class AsyncLaneSchedule(Schedule):
 
     @property
     def forking(self) -> bool:
-        return self.max_lanes > 1 and bool(self.delimiter_ids)
+        return (self.max_lanes or DEFAULT_MAX_LANES) > 1 and bool(self.delimiter_ids)
 
     def max_iterations(self) -> int:
         # A served iteration commits at least one window position, or re-encodes a
@@ -699,7 +719,7 @@ class AsyncLaneSchedule(Schedule):
         return 4 * self.gen_length + 2 * self.refine_budget + 16
 
     def init(self, ctx: Context) -> LaneState:
-        b, G, M = ctx.batch, ctx.gen_length, self.max_lanes
+        b, G, M = ctx.batch, ctx.gen_length, self.max_lanes or 1
         slots = jnp.arange(M)[None, :]
         zeros = jnp.zeros((b,), jnp.int32)
         first = slots == 0

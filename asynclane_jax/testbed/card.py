@@ -197,12 +197,29 @@ def train_command(tc: dict) -> str:
             + _curriculum_flags(tc))
 
 
+def _source_family(name: str) -> str | None:
+    """The family of a warm start's source model, None when it cannot be read."""
+    from asynclane_jax import checkpoint
+
+    try:
+        return checkpoint.read_config(checkpoint.resolve(name))[0].family
+    except (OSError, ValueError):
+        return None
+
+
 def _warm_start(tc: dict) -> str:
     if not tc.get("init_from"):
         return ""
-    return (f"The run started from the weights of `{tc['init_from']}` (same architecture; "
+    source = tc["init_from"]
+    text = (f"The run started from the weights of `{source}` (same architecture; "
             "the ids the vocabulary gained since start from a random initialisation), so "
-            f"its training time adds to that model's (see `{tc['init_from']}`'s card). ")
+            f"its training time adds to that model's (see `{source}`'s card). ")
+    if tc["family"] == "dream" and _source_family(source) == "llada":
+        text += (f"`{source}` is LLaDA-style (a masked position is read from its own "
+                 "output); this model reads it from the output one position earlier, so "
+                 "the run learns the shift from weights that did not have it (Dream-7B "
+                 "was adapted the same way, from an autoregressive model's weights). ")
+    return text
 
 
 def _label(e: dict) -> str:
