@@ -261,9 +261,11 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
     sample = tasks.split("train", 200, task_set)
     minutes = log["elapsed_s"] / 60
     bias = "q/k/v biases" if m["qkv_bias"] else "no biases"
+    attention = ("grouped-query attention" if m["n_kv_heads"] < m["n_heads"]
+                 else "multi-head attention")
     family = (f"LLaDA-style: multi-head attention, {bias}, same-position logits"
               if m["family"] == "llada" else
-              f"Dream-style: grouped-query attention, {bias}, shifted logits "
+              f"Dream-style: {attention}, {bias}, shifted logits "
               "(the token at position i is read from the output at i - 1)")
     out = [f"# {name}", "",
            f"A tiny masked-diffusion language model ({family}) trained "
