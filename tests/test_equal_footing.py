@@ -196,7 +196,7 @@ def test_the_view_widens_at_the_refresh_near_its_end(G, horizon, widen_at, cache
 
 @pytest.mark.parametrize("sampler,opts", [
     ("asynclane", dict(max_lanes=1, horizon=96, refresh_travel=0)),
-    ("asynclane", dict(horizon=96)),
+    ("asynclane", dict(horizon=96, max_lanes=16)),
     ("fast-dllm", dict(cache="dual", horizon=96, early_stop=True, cascade=True)),
 ], ids=["asynclane", "asynclane-forking", "fast-dllm-horizon"])
 def test_an_answer_longer_than_the_view_comes_out_whole(sampler, opts):

@@ -679,29 +679,36 @@ class AsyncLaneSchedule(Schedule):
         return ids
 
     def bind(self, tokenizer, cfg) -> AsyncLaneSchedule:
-        if self.delimiter_ids is not None:
-            bad = [i for i in self.delimiter_ids if i >= cfg.vocab_size]
+        ids = self.delimiter_ids
+        if ids is not None:
+            bad = [i for i in ids if i >= cfg.vocab_size]
             if bad:
                 raise SamplerError(f"{self.name}: delimiter ids {bad} are outside the "
                                    f"vocabulary of {cfg.vocab_size}")
-            if self.max_lanes is None:
-                return dataclasses.replace(
-                    self, max_lanes=DEFAULT_MAX_LANES if self.delimiter_ids else 1)
-            return self
-        if self.max_lanes == 1:  # no forking: no delimiters needed
-            return dataclasses.replace(self, delimiter_ids=())
-        if tokenizer is None:
-            if self.max_lanes is None:  # the default: fork when the newlines are known
-                warnings.warn(
-                    f"{self.name}: no tokenizer to find the newline tokens it forks at, so "
-                    "it decodes with one lane; pass tokenizer=..., or delimiters as token "
-                    "ids, to fork (or max_lanes=1 to say so)", stacklevel=3)
-                return dataclasses.replace(self, delimiter_ids=(), max_lanes=1)
+        elif self.max_lanes == 1:  # no forking: no delimiters needed
+            ids = ()
+        elif tokenizer is not None:
+            ids = newline_tokens(tokenizer)
+        elif self.max_lanes is None:  # the default: fork when the newlines are known
+            warnings.warn(
+                f"{self.name}: no tokenizer to find the newline tokens it forks at, so "
+                "it decodes with one lane; pass tokenizer=..., or delimiters as token "
+                "ids, to fork (or max_lanes=1 to say so)", stacklevel=3)
+            ids = ()
+        else:
             raise SamplerError(
                 f"{self.name}: delimiters='newline' needs the tokenizer (generate(..., "
                 "tokenizer=...)); or give delimiters as token ids, or 'none'")
-        return dataclasses.replace(self, delimiter_ids=newline_tokens(tokenizer),
-                                   max_lanes=self.max_lanes or DEFAULT_MAX_LANES)
+        bound = dataclasses.replace(self, delimiter_ids=ids)
+        return dataclasses.replace(bound, max_lanes=bound.lane_slots)
+
+    @property
+    def lane_slots(self) -> int:
+        """max_lanes, or its default for the delimiters known so far (DEFAULT_MAX_LANES
+        when there are some, else 1)."""
+        if self.max_lanes is not None:
+            return self.max_lanes
+        return DEFAULT_MAX_LANES if self.delimiter_ids else 1
 
     # -- what the driver asks -------------------------------------------------------
     @property
@@ -710,7 +717,7 @@ class AsyncLaneSchedule(Schedule):
 
     @property
     def forking(self) -> bool:
-        return (self.max_lanes or DEFAULT_MAX_LANES) > 1 and bool(self.delimiter_ids)
+        return self.lane_slots > 1 and bool(self.delimiter_ids)
 
     def max_iterations(self) -> int:
         # A served iteration commits at least one window position, or re-encodes a
@@ -719,7 +726,7 @@ class AsyncLaneSchedule(Schedule):
         return 4 * self.gen_length + 2 * self.refine_budget + 16
 
     def init(self, ctx: Context) -> LaneState:
-        b, G, M = ctx.batch, ctx.gen_length, self.max_lanes or 1
+        b, G, M = ctx.batch, ctx.gen_length, self.lane_slots
         slots = jnp.arange(M)[None, :]
         zeros = jnp.zeros((b,), jnp.int32)
         first = slots == 0
