@@ -48,7 +48,13 @@ Row fields (one row per spec and generation length):
     the (a) published rows (None when there is none);
   speedup_vs_fastest_early_stop: the same over the (b) early-stop rows;
   speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows with the
-    row's horizon.
+    row's horizon;
+  task_set, accuracy_family, accuracy_length: the task set, and accuracy (with counts)
+    per family and per answer-length bucket;
+  tps_family: tokens/s per family (a call's decoding time shared evenly among its
+    rows: exact at batch 1, where every call decodes one problem);
+  speedup_family_vs_equal_footing: per family, tps_family over the highest tps_family
+    of the (c) rows with the row's horizon (None without such rows).
 """
 
 from __future__ import annotations
@@ -90,7 +96,7 @@ COMPARISON_LABELS = {"published": "(a) published", "early-stop": "(b) early stop
 ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "comparison",
             "accuracy", "tps", "nfe_per_token", "tokens_per_call", "steps", "wall_s",
             "compile_s", *COMPARISONS.values(), "task_set", "accuracy_family",
-            "accuracy_length")
+            "accuracy_length", "tps_family", "speedup_family_vs_equal_footing")
 
 
 def default_specs() -> list[str]:
@@ -202,12 +208,18 @@ class _Tally:
         self.steps: list[int] = []
         self.gen_tokens = self.row_nfe = 0
         self.wall = self.compile = 0.0
+        self.family_tokens: dict[str, int] = {}
+        self.family_wall: dict[str, float] = {}
 
     def add(self, res, ok: list[bool], groups: list[tuple[str, str]]) -> None:
         self.groups.extend(groups)
         st = res.stats
         self.wall += st.decode_time
         self.gen_tokens += int(np.sum(st.generated_tokens))
+        share = st.decode_time / max(len(groups), 1)  # exact at batch 1
+        for (family, _), tokens in zip(groups, st.generated_tokens):
+            self.family_tokens[family] = self.family_tokens.get(family, 0) + int(tokens)
+            self.family_wall[family] = self.family_wall.get(family, 0.0) + share
         self.row_nfe += int(np.sum(np.asarray(st.row_nfe_full) + np.asarray(st.row_nfe_partial)))
         self.steps.extend(int(x) for x in st.row_steps)
         self.ok.extend(ok)
@@ -224,6 +236,8 @@ class _Tally:
             "compile_s": self.compile,
             "accuracy_family": self._by(0),
             "accuracy_length": self._by(1),
+            "tps_family": {f: (self.family_tokens[f] / w if w > 0 else 0.0)
+                           for f, w in self.family_wall.items()},
         }
 
     def _by(self, which: int) -> dict:
@@ -263,6 +277,15 @@ def add_speedups(rows: list[dict]) -> list[dict]:
                             and (which != "equal-footing" or _horizon(o) == _horizon(r))),
                            default=0.0)
                 r[field] = r["tps"] / best if best > 0 else None
+        for r in same:
+            rivals = [o for o in same if o["comparison"] == "equal-footing"
+                      and _horizon(o) == _horizon(r)]
+            fams = r.get("tps_family") or {}
+            per = {}
+            for f, tps in fams.items():
+                best = max((o.get("tps_family", {}).get(f, 0.0) for o in rivals), default=0.0)
+                per[f] = tps / best if best > 0 else None
+            r["speedup_family_vs_equal_footing"] = per if rivals else None
     return rows
 
 
@@ -370,9 +393,10 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
                        **{k: best[k] for k in ("accuracy", "tps", "nfe_per_token",
                                                "tokens_per_call", "steps", "wall_s",
                                                "compile_s", "accuracy_family",
-                                               "accuracy_length")},
+                                               "accuracy_length", "tps_family")},
                        "task_set": task_set,
-                       **dict.fromkeys(COMPARISONS.values())}
+                       **dict.fromkeys(COMPARISONS.values()),
+                       "speedup_family_vs_equal_footing": None}
                 rows.append(row)
             add_speedups(rows)
             if on_length is not None:
@@ -459,7 +483,51 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "|" + "---|" * len(TABLE_HEAD)]
     for cells in table_rows(rows):
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += breakdown_markdown(rows)
     return "\n".join(lines) + "\n"
+
+
+def breakdown_markdown(rows: list[dict]) -> list[str]:
+    """Markdown lines: per generation length, each row's accuracy per family and per
+    answer-length bucket, and its tokens/s per family with (for asynclane rows) the
+    speed-up over the fastest (c) row on that family. Empty when no row has them."""
+    from asynclane_jax.testbed.tasks import LENGTH_BUCKETS
+
+    if not any(r.get("accuracy_family") for r in rows):
+        return []
+    out = ["", "Per family and per answer-length bucket (accuracy, then tokens/s per "
+           "family; for asynclane rows, in brackets, its speed-up over the fastest (c) "
+           "row on that family; bucket sizes in the header):"]
+    for g in sorted({r["gen_length"] for r in rows}):
+        same = [r for r in rows if r["gen_length"] == g]
+        fams = list(dict.fromkeys(f for r in same for f in (r.get("accuracy_family") or {})))
+        seen = {b for r in same for b in (r.get("accuracy_length") or {})}
+        lens = [name for name, *_ in LENGTH_BUCKETS if name in seen]
+        first = same[0]
+
+        def count(which, key, first=first):
+            return (first.get(which) or {}).get(key, {}).get("n", "?")
+
+        head = (["sampler"] + [f"{f} ({count('accuracy_family', f)})" for f in fams]
+                + [f"{b} tok ({count('accuracy_length', b)})" for b in lens]
+                + [f"{f} tok/s" for f in fams])
+        out += ["", f"gen_length {g}:", "", "| " + " | ".join(head) + " |",
+                "|" + "---|" * len(head)]
+        for r in same:
+            acc_f = r.get("accuracy_family") or {}
+            acc_l = r.get("accuracy_length") or {}
+            tps_f = r.get("tps_family") or {}
+            spd = r.get("speedup_family_vs_equal_footing") or {}
+            cells = [r["sampler"]]
+            cells += [f"{100 * acc_f[f]['accuracy']:.1f}%" if f in acc_f else "-" for f in fams]
+            cells += [f"{100 * acc_l[b]['accuracy']:.1f}%" if b in acc_l else "-" for b in lens]
+            for f in fams:
+                cell = f"{tps_f[f]:.0f}" if f in tps_f else "-"
+                if r.get("comparison") == NEW_SAMPLER and spd.get(f) is not None:
+                    cell += f" ({spd[f]:.2f}x)"
+                cells.append(cell)
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return out
 
 
 def print_table(rows: list[dict], file=None) -> None:

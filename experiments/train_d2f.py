@@ -5,8 +5,12 @@ problems with the d2f sampler, writes it as a shipped model folder
 (asynclane_jax/testbed/models/<name>/, with a model card) and the run's log and loss
 curve to experiments/results/d2f_<name>.{json,png}.
 
+The problems are the teacher's own (its recorded task set, family weights and, for a
+task set with long answers, its length buckets: `DistillConfig.for_teacher`); the
+held-out check runs at gen_length 256, or 512 for a task set with long answers.
+
 Usage: python experiments/train_d2f.py [--teacher tiny-llada] [--minutes 20] [--steps N]
-       [--eval-n 200] [--no-export]
+       [--eval-n 200] [--eval-gen-length N] [--no-export]
 """
 
 from __future__ import annotations
@@ -17,10 +21,21 @@ import pathlib
 import time
 
 from asynclane_jax import checkpoint
-from asynclane_jax.testbed import distill
+from asynclane_jax.testbed import distill, tasks
 from asynclane_jax.testbed.evaluate import evaluate
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def shapes(dc: dict) -> str:
+    """The card's words for the training problems and batch shapes."""
+    if dc.get("buckets"):
+        weights = (f", family weights {dc['family_weights']}" if dc.get("family_weights")
+                   else "")
+        return (f"problems of the task set {dc['task_set']}{weights}, in length buckets "
+                f"(prompt length, response region, rows, probability; each takes the "
+                f"stream's next problems that fit it): {dc['buckets']}")
+    return f"batch shapes (response region, rows, probability): {dc['regions']}"
 
 
 def card(name: str, dc: dict, run: dict, evals: list[dict]) -> str:
@@ -47,8 +62,7 @@ weights, only the attention and MLP projection kernels are trained, at full rank
 exactly a LoRA adapter over the teacher
 (`checkpoints_convert.export.write_lora_adapter`), the form of the published 8B
 students. AdamW (lr {dc['lr']}, warmup {dc['warmup_steps']} steps, cosine to
-{dc['min_lr_ratio']}x over the budget), batch shapes (response region, rows,
-probability): {dc['regions']}.
+{dc['min_lr_ratio']}x over the budget), {shapes(dc)}.
 
 Steps: {run['steps']:,}; training time: {run['train_minutes']:.1f} min of training steps
 on a 2-core CPU. Command: `{run['command']}`. Final running means
@@ -74,12 +88,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval-n", type=int, default=200)
-    ap.add_argument("--eval-gen-length", type=int, default=256)
+    ap.add_argument("--eval-gen-length", type=int, default=None,
+                    help="default: 256, or 512 for a teacher trained on long answers")
     ap.add_argument("--no-export", action="store_true")
     args = ap.parse_args(argv)
     name = args.name or f"{args.teacher}-d2f"
-    dc = distill.DistillConfig(teacher=args.teacher, name=name, minutes=args.minutes,
-                               steps=args.steps, lr=args.lr)
+    dc = distill.DistillConfig.for_teacher(args.teacher, name=name, minutes=args.minutes,
+                                           steps=args.steps, lr=args.lr)
+    gen_length = args.eval_gen_length or (256 if dc.task_set == tasks.DEFAULT_TASK_SET
+                                          else 512)
     d = distill.Distiller(dc)
     t0 = time.time()
     d.fit(on_log=lambda s, a: print(f"step {s}: " + " ".join(
@@ -95,10 +112,8 @@ def main(argv=None):
                                   else f"--minutes {args.minutes:g}"])}
     student = d.student()
     teacher, tok, _ = checkpoint.load(args.teacher)
-    evals = [evaluate(student, tok, sampler="d2f", gen_length=args.eval_gen_length,
-                      n=args.eval_n, progress=True),
-             evaluate(teacher, tok, sampler="d2f", gen_length=args.eval_gen_length,
-                      n=args.eval_n, progress=True)]
+    evals = [evaluate(m, tok, sampler="d2f", gen_length=gen_length, n=args.eval_n,
+                      progress=True, task_set=dc.task_set) for m in (student, teacher)]
     evals[1]["sampler"] = "d2f on the teacher (bidirectional, full forwards)"
     for e in evals:
         print(f"{e['sampler']}: accuracy {e['accuracy']:.3f}, {e['nfe_per_token']:.3f} "

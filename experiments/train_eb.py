@@ -1,6 +1,9 @@
 """Trains the Early-Bird routers (LBS, LPS) of a shipped testbed model and ships them.
 
-  python experiments/train_eb.py --model tiny-llada [--gen-length 256] [--problems 1024]
+  python experiments/train_eb.py --model tiny-llada [--gen-length N] [--problems 1024]
+
+  The problems come from the model's own task set (the one its folder records); the
+  generation length defaults to 256, or 512 for a task set with long answers.
 
   1. traces without LBS (every block the first 32 masked positions, commit at p >= 0.9
      else top-1) on training-split problems -> LBS data: per generated position its
@@ -113,7 +116,8 @@ def parse_shape(text: str) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-llada")
-    ap.add_argument("--gen-length", type=int, default=256)
+    ap.add_argument("--gen-length", type=int, default=None,
+                    help="default: 256, or 512 for a model trained on long answers")
     ap.add_argument("--problems", type=int, default=1024, help="training-split problems traced")
     ap.add_argument("--val-frac", type=float, default=0.2)
     ap.add_argument("--trace-batch", type=int, default=64)
@@ -141,8 +145,9 @@ def main(argv=None):
     log = lambda *a: print(f"[{time.time() - t_start:7.1f}s]", *a, flush=True)
     folder = checkpoint.resolve(args.model)
     model, _, cfg = aj.load(args.model)
-    G = args.gen_length
-    problems = tasks.split("train", args.problems)
+    task_set = tasks.model_task_set(args.model)
+    G = args.gen_length or (256 if task_set == tasks.DEFAULT_TASK_SET else 512)
+    problems = tasks.split("train", args.problems, task_set)
     n_val = int(round(args.val_frac * len(problems)))
     first_val = len(problems) - n_val
     bar = lambda done, total: log(f"  traced {done}/{total}")
@@ -220,21 +225,23 @@ def main(argv=None):
     log(f"saved {out_dir} ({weights.digest}); training minutes {train_minutes:.1f}")
 
     # 5. cost and a held-out check.
-    P = max(len(p) for p in ev.prompts_for(tasks.heldout(max(args.eval_n, args.cost_n))))
+    heldout = tasks.heldout(max(args.eval_n, args.cost_n), task_set)
+    P = max(len(p) for p in ev.prompts_for(heldout))
     P = -(-P // 32) * 32
     cost = router_cost(model, weights, G, P)
     cost["lbs_share_when_run"] = cost["lbs_ms"] / (cost["forward_ms"] + cost["lbs_ms"]
                                                    + cost["lps_ms"])
     cost["lps_share"] = cost["lps_ms"] / (cost["forward_ms"] + cost["lps_ms"])
-    cost["decode"] = decode_share(model, tasks.heldout(args.cost_n), G, out_dir)
+    cost["decode"] = decode_share(model, heldout[:args.cost_n], G, out_dir)
     log(f"cost {cost}")
     check = ev.evaluate(model, sampler="eb", gen_length=G, n=args.eval_n, batch_size=50,
-                        routers=str(out_dir))
+                        routers=str(out_dir), task_set=task_set)
     log(f"held-out eb: accuracy {check['accuracy']:.3f} on {check['n']}, "
         f"calls/token {check['nfe_per_token']:.3f}")
 
     result = {
-        "model": args.model, "gen_length": G, "backend": jax.default_backend(),
+        "model": args.model, "task_set": task_set, "gen_length": G,
+        "backend": jax.default_backend(),
         "trace_problems": len(problems), "validation_problems": n_val,
         "trace_rows": {"lbs": int(len(tr1["problem"])), "lps": int(len(tr2["problem"]))},
         "trace_accuracy": {"without_lbs": float(tr1["correct"].mean()),

@@ -130,7 +130,12 @@ def test_cli_bench_json_and_plot(tmp_path, capsys):
     assert not list(tmp_path.glob("*.tmp"))
     assert SPECS[1] in capsys.readouterr().out
     md = bench.to_markdown(data["rows"], data["meta"])
-    assert md.count("\n| ") == 2 and "fast-dllm:cache=dual:threshold=0.85" in md
+    table, _, breakdown = md.partition("Per family")
+    assert table.count("\n| ") == 2 and "fast-dllm:cache=dual:threshold=0.85" in table
+    # The breakdown: a header, a rule and the row, with the row's families and tokens/s.
+    row = data["rows"][0]
+    assert breakdown.count("\n| ") == 2 and set(row["tps_family"]) == set(
+        row["accuracy_family"]) and all(v > 0 for v in row["tps_family"].values())
 
 
 @pytest.mark.parametrize("argv,needle", [

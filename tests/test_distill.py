@@ -83,3 +83,24 @@ def test_lora_cannot_carry_a_changed_norm(tmp_path):
         write_lora_adapter(tuned, teacher, tmp_path / "lora")
     with pytest.raises(ConvertError, match="nothing to write"):
         write_lora_adapter(teacher, teacher, tmp_path / "lora2")
+
+
+def test_a_long_answer_teacher_distils_on_its_own_problems():
+    """A teacher trained on a long-answer task set hands the student its task set,
+    family weights and length buckets; batches then take the shapes of those buckets
+    and the stream draws that task set's families."""
+    from asynclane_jax.testbed import tasks
+
+    dc = DistillConfig.for_teacher("tiny-llada-v4b", steps=1, minutes=None)
+    assert dc.task_set == "v4" and dc.family_weights == (1.0, 1.0, 3.0, 3.0)
+    assert [b[1] for b in dc.buckets] == [64, 128, 256, 512]
+    assert dc.to_dict()["buckets"][-1] == [28, 512, 4, 0.5]
+    # A first-task-set teacher keeps the default regions and no buckets.
+    assert DistillConfig.for_teacher("tiny-llada").buckets is None
+    d = Distiller(dc)
+    shapes = {(b[2], b[0] + b[1]) for b in dc.buckets}  # (rows, prompt + region)
+    rng = np.random.default_rng(0)
+    drawn = {d.buckets.batch(rng)["tokens"].shape for _ in range(8)}
+    assert drawn <= shapes and len(drawn) >= 2
+    families = {next(d.stream).family for _ in range(60)}
+    assert families == set(tasks.families_of("v4"))

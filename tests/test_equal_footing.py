@@ -280,6 +280,34 @@ def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
     bench.validate(specs, [128, 256, 512])
 
 
+def test_per_family_speedups_meet_the_fastest_equal_footing_row_of_each_family():
+    def row(sampler, fams, **opts):
+        return {"sampler": sampler, "tps": sum(fams.values()), "gen_length": 512,
+                "options": opts, "tps_family": fams}
+
+    eq = dict(cache="dual", cascade=True, early_stop=True)
+    rows = bench.add_speedups([
+        row("fast-dllm", {"math": 50.0, "walk": 10.0}, cache="dual"),
+        row(f"fast-dllm:{bench.EQUAL_FOOTING}", {"math": 400.0, "walk": 100.0}, **eq),
+        row(f"localleap:{bench.EQUAL_FOOTING}", {"math": 300.0, "walk": 200.0}, **eq),
+        row("fast-dllm:horizon=96:cascade=true", {"math": 900.0, "walk": 900.0},
+            horizon=96, cache="dual", cascade=True),
+        row("asynclane", {"math": 400.0, "walk": 260.0})])
+    # Each family against its own fastest (c) row, at the row's horizon (none here): the
+    # walk figure meets LocalLeap (200), the math figure Fast-dLLM (400); the horizon
+    # row (900) is another horizon's rival and is not met.
+    assert rows[-1]["speedup_family_vs_equal_footing"] == {
+        "math": pytest.approx(1.0), "walk": pytest.approx(1.3)}
+    assert rows[2]["speedup_family_vs_equal_footing"]["walk"] == pytest.approx(1.0)
+    md = "\n".join(bench.breakdown_markdown([dict(
+        r, n=2, accuracy_family={f: {"n": 1, "accuracy": 1.0} for f in r["tps_family"]},
+        accuracy_length={}) for r in rows]))
+    assert "walk tok/s" in md and "260 (1.30x)" in md and "400 (1.00x)" in md
+    # Without (c) rows there is nothing to meet.
+    lone = bench.add_speedups([row("asynclane", {"math": 1.0})])[0]
+    assert lone["speedup_family_vs_equal_footing"] is None
+
+
 def test_the_table_names_the_comparison_and_the_command():
     r = {"model": "m", "sampler": f"localleap:{bench.EQUAL_FOOTING}", "gen_length": 256,
          "n": 2, "batch": 1, "options": dict(ON, cache="dual"), "accuracy": 0.5,

@@ -36,7 +36,7 @@ from flax import nnx
 
 from asynclane_jax.models.model import DiffusionLM
 from asynclane_jax.testbed import tasks
-from asynclane_jax.testbed.train import lr_at, make_optimizer, sample_batch
+from asynclane_jax.testbed.train import BucketedStream, lr_at, make_optimizer, sample_batch
 
 
 @dataclasses.dataclass
@@ -49,6 +49,13 @@ class DistillConfig:
     prompt_length: int = 28
     # (response region length, rows, probability) of each batch shape.
     regions: tuple = ((64, 32, 0.75), (128, 16, 0.15), (256, 8, 0.10))
+    # The task set of the training problems, the families' weights in the stream (None:
+    # uniform) and length buckets ((prompt length, region, rows, probability), each
+    # taking the stream's next problems that fit it; None: `regions`, whose problems all
+    # fit). `for_teacher` fills the three from the teacher's own training config.
+    task_set: str = "v1"
+    family_weights: tuple | None = None
+    buckets: tuple | None = None
     lr: float = 1e-3
     min_lr_ratio: float = 0.05
     warmup_steps: int = 100
@@ -64,7 +71,33 @@ class DistillConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["regions"] = [list(r) for r in self.regions]
+        if self.buckets is not None:
+            d["buckets"] = [list(b) for b in self.buckets]
+        if self.family_weights is not None:
+            d["family_weights"] = list(self.family_weights)
         return d
+
+    @classmethod
+    def for_teacher(cls, teacher: str, **overrides) -> DistillConfig:
+        """A config whose problems are the teacher's: its task set, family weights and
+        (for a task set with long answers) its length buckets, read from the training
+        config recorded in its folder. A teacher trained on the first task set (or with
+        none recorded) keeps the default regions."""
+        import json
+
+        from asynclane_jax import checkpoint
+
+        recorded = json.loads((checkpoint.resolve(teacher) / checkpoint.CONFIG_FILE)
+                              .read_text())
+        tc = (recorded.get("testbed") or {}).get("train_config") or {}
+        kw: dict = {"teacher": teacher, "task_set": tasks.recorded_task_set(recorded)}
+        if tc.get("family_weights"):
+            kw["family_weights"] = tuple(tc["family_weights"])
+        if tc.get("buckets") and kw["task_set"] != tasks.DEFAULT_TASK_SET:
+            kw["buckets"] = tuple(tuple(b) for b in tc["buckets"])
+            kw["prompt_length"] = max(b[0] for b in kw["buckets"])
+        kw.update(overrides)
+        return cls(**kw)
 
 
 def trainable(path) -> bool:
@@ -142,7 +175,11 @@ class Distiller:
         # (whose helpers read the same optimizer fields of this config).
         self.tx = make_optimizer(dc)
         self.opt_state = self.tx.init(self.params)
-        self.stream = tasks.problem_stream(seed=dc.seed + 1)
+        self.stream = tasks.problem_stream(seed=dc.seed + 1, families=dc.task_set,
+                                           weights=dc.family_weights)
+        self.buckets = (BucketedStream(self.stream, dc.buckets, "fits",
+                                       families=dc.task_set, seed=dc.seed)
+                        if dc.buckets else None)
         self.rng = np.random.default_rng(dc.seed)
         self.key = jax.random.key(dc.seed)
         self.step = 0
@@ -178,8 +215,9 @@ class Distiller:
         return nnx.merge(self.s_graphdef, self.params)
 
     def train_step(self) -> dict:
-        batch = {k: jnp.asarray(v) for k, v in sample_batch(
-            self.stream, self.dc.regions, self.dc.prompt_length, self.rng).items()}
+        raw = (self.buckets.batch(self.rng) if self.buckets is not None else
+               sample_batch(self.stream, self.dc.regions, self.dc.prompt_length, self.rng))
+        batch = {k: jnp.asarray(v) for k, v in raw.items()}
         self.key, sub = jax.random.split(self.key)
         lr = lr_at(self.dc, self.step, self.progress())
         t0 = time.perf_counter()
