@@ -19,7 +19,7 @@ import textwrap
 
 from asynclane_jax.errors import UsageError
 
-DEFAULT_MODEL = "tiny-llada"
+DEFAULT_MODEL = "tiny-llada-v4b"
 
 
 def sampler_help(width: int | None = None) -> str:
@@ -204,13 +204,14 @@ def _cmd_eval(args) -> int:
     if args.n > SPLIT_SIZES["heldout"]:
         raise UsageError(f"--n {args.n}: the held-out split has {SPLIT_SIZES['heldout']} "
                          f"problems; ask for at most {SPLIT_SIZES['heldout']}")
-    gen_length = _gen_length(args, 256)
     sampler, opts = _sampler_and_options(args)
     name = args.model or DEFAULT_MODEL
+    task_set = tasks.model_task_set(name)
+    gen_length = _gen_length(args, tasks.default_gen_length(task_set))
     model, tokenizer, cfg = asynclane_jax.load(name, mesh=args.mesh, quantize=args.quantize,
                                                scan_layers=args.scan_layers)
     result = evaluate(model, tokenizer, sampler=sampler, gen_length=gen_length, n=args.n,
-                      progress=not args.quiet, task_set=tasks.model_task_set(name), **opts)
+                      progress=not args.quiet, task_set=task_set, **opts)
     result["quantize"] = args.quantize
     if args.json:
         print(json.dumps(result))

@@ -4,8 +4,11 @@ Each picture (asynclane_jax.decoding.trace) shows, for the prompt's generated
 positions, the iteration at which each was committed, with the blocks (block samplers)
 or lanes (AsyncLane) outlined. Written to experiments/results/decode_order_<sampler>.png.
 
-Usage: python experiments/decode_order.py [--model tiny-llada] [--gen-length 128]
-       [--problem 0]
+The problem is a held-out problem of the model's own task set; the generation length
+defaults to the one that task set needs (tasks.default_gen_length).
+
+Usage: python experiments/decode_order.py [--model tiny-llada-v4b] [--gen-length N]
+       [--problem 7]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pathlib
 
 import asynclane_jax
 from asynclane_jax.decoding.trace import save_decode_order
+from asynclane_jax.generate_cli import DEFAULT_MODEL
 from asynclane_jax.testbed import evaluate, tasks
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -23,18 +27,22 @@ SAMPLERS = {
     "fast-dllm": ("fast-dllm", {"cache": "dual"}),
     "localleap": ("localleap", {"cache": "dual"}),
     "asynclane": ("asynclane", {}),
-    "asynclane-forking": ("asynclane", {"max_lanes": 16, "extra_queries": 8}),
+    "asynclane-lanes-off": ("asynclane", {"max_lanes": 1}),
 }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny-llada")
-    ap.add_argument("--gen-length", type=int, default=128)
-    ap.add_argument("--problem", type=int, default=0, help="index in the held-out split")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--gen-length", type=int, default=None,
+                    help="default: the model's task set's (256 or 512)")
+    ap.add_argument("--problem", type=int, default=7, help="index in the held-out split "
+                    "(7: in v4 a table-down problem of 13 lines, 146 answer tokens)")
     args = ap.parse_args()
     model, tokenizer, cfg = asynclane_jax.load(args.model)
-    problem = tasks.split("heldout", args.problem + 1)[args.problem]
+    task_set = tasks.model_task_set(args.model)
+    args.gen_length = args.gen_length or tasks.default_gen_length(task_set)
+    problem = tasks.split("heldout", args.problem + 1, task_set)[args.problem]
     prompt = evaluate.prompts_for([problem], tokenizer)
     RESULTS.mkdir(exist_ok=True)
     for label, (sampler, opts) in SAMPLERS.items():

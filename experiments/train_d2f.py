@@ -77,7 +77,27 @@ masked positions {run['final']['kl']:.3f}, argmax agreement with the teacher
 {rows}
 
 Model calls per token count a row's model calls over its tokens before end-of-text.
-"""
+{breakdown(evals)}"""
+
+
+def breakdown(evals: list[dict]) -> str:
+    """The card's accuracy per family and per answer-length bucket (empty when the
+    evaluations have none)."""
+    fams = [k[len("accuracy_"):] for k in evals[0] if k.startswith("accuracy_")
+            and k != "accuracy_length" and isinstance(evals[0][k], float)]
+    lens = list(evals[0].get("accuracy_length") or {})
+    if not fams and not lens:
+        return ""
+    head = ["sampler"] + fams + [f"{b} tokens ({evals[0]['accuracy_length'][b]['n']})"
+                                 for b in lens]
+    lines = ["", "By family and by answer length (tokens of the reference answer; "
+             "problems in brackets):", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for e in evals:
+        cells = [e["sampler"]] + [f"{100 * e['accuracy_' + f]:.1f}%" for f in fams]
+        cells += [f"{100 * e['accuracy_length'][b]['accuracy']:.1f}%" for b in lens]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -95,8 +115,7 @@ def main(argv=None):
     name = args.name or f"{args.teacher}-d2f"
     dc = distill.DistillConfig.for_teacher(args.teacher, name=name, minutes=args.minutes,
                                            steps=args.steps, lr=args.lr)
-    gen_length = args.eval_gen_length or (256 if dc.task_set == tasks.DEFAULT_TASK_SET
-                                          else 512)
+    gen_length = args.eval_gen_length or tasks.default_gen_length(dc.task_set)
     d = distill.Distiller(dc)
     t0 = time.time()
     d.fit(on_log=lambda s, a: print(f"step {s}: " + " ".join(

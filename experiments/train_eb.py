@@ -146,7 +146,7 @@ def main(argv=None):
     folder = checkpoint.resolve(args.model)
     model, _, cfg = aj.load(args.model)
     task_set = tasks.model_task_set(args.model)
-    G = args.gen_length or (256 if task_set == tasks.DEFAULT_TASK_SET else 512)
+    G = args.gen_length or tasks.default_gen_length(task_set)
     problems = tasks.split("train", args.problems, task_set)
     n_val = int(round(args.val_frac * len(problems)))
     first_val = len(problems) - n_val

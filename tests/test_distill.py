@@ -95,6 +95,9 @@ def test_a_long_answer_teacher_distils_on_its_own_problems():
     assert dc.task_set == "v4" and dc.family_weights == (1.0, 1.0, 3.0, 3.0)
     assert [b[1] for b in dc.buckets] == [64, 128, 256, 512]
     assert dc.to_dict()["buckets"][-1] == [28, 512, 4, 0.5]
+    # The student's folder records its distillation config: its task set reads from it.
+    assert tasks.recorded_task_set({"distill": dc.to_dict()}) == "v4"
+    assert tasks.recorded_task_set({"distill": DistillConfig().to_dict()}) == "v1"
     # A first-task-set teacher keeps the default regions and no buckets.
     assert DistillConfig.for_teacher("tiny-llada").buckets is None
     d = Distiller(dc)

@@ -38,7 +38,9 @@ from asynclane_jax.models import ConfigError, from_hf_config
 # Seconds: a bad input is refused within this (checks only, no imports), measured as the
 # CPU time of this process (the machines running the suite are shared).
 FAST = 1.0
-SHIPPED = ("tiny-llada", "tiny-dream", "tiny-llada-d2f", "tiny-dream-d2f")
+# Every model shipped inside the package (its folders), not a list kept by hand.
+SHIPPED = tuple(sorted(d.name for d in checkpoint.BUILTIN_MODELS_DIR.iterdir()
+                       if (d / checkpoint.CONFIG_FILE).is_file()))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -664,6 +666,7 @@ def test_verify_command(corrupt, capsys):
 
 
 def test_shipped_models_have_digests_and_pass():
+    assert {"tiny-llada", "tiny-llada-v4b", "tiny-dream-v4", "tiny-llada-d2f"} <= set(SHIPPED)
     for name in SHIPPED:
         folder = checkpoint.resolve(name)
         assert (folder / checkpoint.DIGESTS_FILE).is_file(), name

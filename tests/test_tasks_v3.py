@@ -161,3 +161,19 @@ def test_v4_is_v3_with_the_labels_counting_down(family):
         assert b.family == (a.family if a.family in ("math", "code") else f"{a.family}-down")
         assert b.answer == a.answer and len(b.lines) == len(a.lines)
         assert (a.prompt == b.prompt) == (a.family in ("math", "code"))
+
+
+@pytest.mark.parametrize("task_set", list(tasks.TASK_SETS))
+def test_the_default_generation_length_holds_every_heldout_answer(task_set):
+    """`default_gen_length` (what eval, the D2F and Early-Bird trainings use when no
+    length is given) leaves room for the end-of-text after the longest of the first 1000
+    held-out answers, and is not longer than needed (the first task set's answers fit
+    256; the long sets' need more)."""
+    longest = max(tasks.answer_tokens(p) for p in tasks.heldout(1000, task_set))
+    g = tasks.default_gen_length(task_set)
+    assert longest < g
+    assert (g == 256) == (task_set == tasks.DEFAULT_TASK_SET)
+    if g == 512:
+        assert longest >= 256
+    with pytest.raises(ValueError, match="task set"):
+        tasks.default_gen_length("v9")

@@ -343,12 +343,21 @@ def families_of(task_set: str) -> tuple[str, ...]:
                          f"{', '.join(TASK_SETS)}") from None
 
 
+def default_gen_length(task_set: str) -> int:
+    """The generation length a task set's answers need: 256 for the first task set's
+    short answers, 512 for the sets with long answers (up to about 400 tokens)."""
+    families_of(task_set)  # a known task set
+    return 256 if task_set == DEFAULT_TASK_SET else 512
+
+
 def recorded_task_set(config: dict) -> str:
     """The task set a converted folder's config.json (as a dict) says its model was
-    trained on: the testbed trainer records it; other models (and the first shipped
-    ones, trained before task sets existed) read as DEFAULT_TASK_SET."""
+    trained on: the testbed trainer records it, and a D2F student's distillation
+    config its problems'; other models (and the first shipped ones, trained before task
+    sets existed) read as DEFAULT_TASK_SET."""
     testbed = config.get("testbed") or {}
-    return (testbed.get("train_config") or {}).get("task_set") or DEFAULT_TASK_SET
+    return ((testbed.get("train_config") or {}).get("task_set")
+            or (config.get("distill") or {}).get("task_set") or DEFAULT_TASK_SET)
 
 
 def model_task_set(path_or_name) -> str:
