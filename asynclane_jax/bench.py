@@ -660,8 +660,10 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="samplers side by side: accuracy and tokens/s on the "
                                      "testbed's held-out problems",
                        description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="tiny-llada",
-                   help="shipped model name or converted folder (default tiny-llada)")
+    from asynclane_jax.generate_cli import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"shipped model name or converted folder (default {DEFAULT_MODEL})")
     p.add_argument("--samplers", default=None,
                    help="comma-separated sampler specs NAME[:key=value[|alt]...] (default: "
                         f"{','.join(DEFAULT_SAMPLERS)}, those registered)")
