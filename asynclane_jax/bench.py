@@ -481,8 +481,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "- asynclane rows are compared with each; `other` rows with none.", "",
               "| " + " | ".join(TABLE_HEAD) + " |",
               "|" + "---|" * len(TABLE_HEAD)]
-    for cells in table_rows(rows):
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += [_md_row(cells) for cells in table_rows(rows)]
     lines += breakdown_markdown(rows)
     return "\n".join(lines) + "\n"
 
@@ -526,8 +525,13 @@ def breakdown_markdown(rows: list[dict]) -> list[str]:
                 if r.get("comparison") == NEW_SAMPLER and spd.get(f) is not None:
                     cell += f" ({spd[f]:.2f}x)"
                 cells.append(cell)
-            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            out.append(_md_row(cells))
     return out
+
+
+def _md_row(cells) -> str:
+    """One markdown table row; a `|` inside a cell (a spec's alternatives) escaped."""
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 def print_table(rows: list[dict], file=None) -> None:
