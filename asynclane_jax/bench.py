@@ -25,13 +25,16 @@ separately:
   (a) `published`: the baselines as published (no early stop, no horizon, no cascade);
   (b) `early-stop`: the baselines with early_stop=true (no horizon, no cascade);
   (c) `equal-footing`: the block baselines given AsyncLane's mid-block cascade
-    (cascade=true; the default specs add early_stop=true) and the visible horizon
-    AsyncLane's row uses: none by default, as AsyncLane's default is none. An asynclane
-    row's (c) speed-up is over the fastest (c) row with its own horizon (`horizon`,
-    0 when not given), so `asynclane:horizon=96` meets `fast-dllm:horizon=96:cascade=true`
-    and the default asynclane meets the horizon-free rows.
-Rows of `asynclane` itself are `asynclane`; a baseline with a horizon but no cascade is
-`other` and in no comparison.
+    (cascade=true; the default specs add early_stop=true), the visible horizon
+    AsyncLane's row uses (none by default, as AsyncLane's default is none) and its
+    renewal calls (`renew`: AsyncLane's default 256; the default specs give the
+    baselines the dual cache with renew=256, and also run them and AsyncLane without
+    renewals). An asynclane row's (c) speed-up is over the fastest (c) row of its own
+    footing (`footing`: horizon and renew, the sampler's defaults when not given), so
+    `asynclane:horizon=96` meets `fast-dllm:horizon=96:cascade=true`, the default
+    asynclane meets the (c) rows with renew=256 and `asynclane:renew=0` those without.
+Rows of `asynclane` itself are `asynclane`; a baseline with a horizon or renewals but
+no cascade is `other` and in no comparison.
 
 Row fields (one row per spec and generation length):
   model, sampler (the spec as given), options (the options of the variant chosen),
@@ -48,13 +51,13 @@ Row fields (one row per spec and generation length):
     the (a) published rows (None when there is none);
   speedup_vs_fastest_early_stop: the same over the (b) early-stop rows;
   speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows with the
-    row's horizon;
+    row's footing (horizon and renewals);
   task_set, accuracy_family, accuracy_length: the task set, and accuracy (with counts)
     per family and per answer-length bucket;
   tps_family: tokens/s per family (a call's decoding time shared evenly among its
     rows: exact at batch 1, where every call decodes one problem);
   speedup_family_vs_equal_footing: per family, tps_family over the highest tps_family
-    of the (c) rows with the row's horizon (None without such rows).
+    of the (c) rows of the row's footing (None without such rows).
 """
 
 from __future__ import annotations
@@ -73,11 +76,14 @@ import numpy as np
 from asynclane_jax.errors import UsageError, run_command
 
 # The (c) specs: AsyncLane's default cascade and horizon (none) and early stop (its
-# block_length, 32, is the default).
+# block_length, 32, is the default); with its renewal calls (renew=256, the dual cache)
+# and without them (then met by `asynclane:renew=0`).
 EQUAL_FOOTING = "cascade=true:early_stop=true"
+RENEWAL = "cache=dual:renew=256"
 DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
                     "localleap:early_stop=true", f"fast-dllm:{EQUAL_FOOTING}",
-                    f"localleap:{EQUAL_FOOTING}", "asynclane")
+                    f"localleap:{EQUAL_FOOTING}", f"fast-dllm:{EQUAL_FOOTING}:{RENEWAL}",
+                    f"localleap:{EQUAL_FOOTING}:{RENEWAL}", "asynclane", "asynclane:renew=0")
 DEFAULT_GEN_LENGTHS = (128, 256, 512)
 # Options a spec gets when it does not set them: each sampler at its best setting.
 DEFAULT_OPTIONS = {"fast-dllm": {"cache": "prefix|dual"},
@@ -254,13 +260,34 @@ def comparison_of(sampler: str, options: dict) -> str:
         return NEW_SAMPLER
     if options.get("cascade") is True:
         return "equal-footing"
-    if options.get("horizon"):
+    if options.get("horizon") or options.get("renew"):
         return "other"
     return "early-stop" if options.get("early_stop") is True else "published"
 
 
-def _horizon(row: dict) -> int:
-    return int(row["options"].get("horizon") or 0)
+def footing(row: dict) -> tuple[int, int]:
+    """(horizon, renew) of a row: its options, else its sampler's defaults (0 where
+    the sampler has no such option; renew 0 under a horizon). A (c) row meets an
+    asynclane row of the same footing only."""
+    from asynclane_jax.decoding.registry import get_schedule_class, option_fields
+    from asynclane_jax.decoding.schedule import SamplerError
+
+    name = parse_spec(split_model(row["sampler"])[0])[0]
+    try:
+        fields = option_fields(get_schedule_class(name))
+    except SamplerError:  # an unknown sampler has no defaults to read
+        fields = {}
+
+    def value(key: str) -> int:
+        if key in row["options"]:
+            return int(row["options"][key] or 0)
+        f = fields.get(key)
+        return int(f.default or 0) if f is not None and isinstance(f.default, int) else 0
+
+    horizon = value("horizon")
+    # Renewals do not go with a horizon (asynclane keeps its full forwards, the block
+    # samplers refuse the pair).
+    return horizon, 0 if horizon else value("renew")
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
@@ -272,14 +299,14 @@ def add_speedups(rows: list[dict]) -> list[dict]:
         same = [r for r in rows if r["gen_length"] == g]
         for which, field in COMPARISONS.items():
             for r in same:
-                # (c) rows meet a row only at its own horizon; (a) and (b) have none.
+                # (c) rows meet a row only at its own footing; (a) and (b) have none.
                 best = max((o["tps"] for o in same if o["comparison"] == which
-                            and (which != "equal-footing" or _horizon(o) == _horizon(r))),
+                            and (which != "equal-footing" or footing(o) == footing(r))),
                            default=0.0)
                 r[field] = r["tps"] / best if best > 0 else None
         for r in same:
             rivals = [o for o in same if o["comparison"] == "equal-footing"
-                      and _horizon(o) == _horizon(r)]
+                      and footing(o) == footing(r)]
             fams = r.get("tps_family") or {}
             per = {}
             for f, tps in fams.items():
@@ -473,11 +500,14 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "- (b) early stop: the same with early_stop=true; they still attend to the "
               "whole canvas.",
               "- (c) equal footing: block baselines given AsyncLane's mid-block cascade "
-              "(cascade=true; the default specs add early_stop=true) and the visible "
-              "horizon AsyncLane's row uses (none by default). An asynclane row is "
-              "compared with the (c) rows of its own horizon; a row with a horizon "
-              "attends only to the first block_length + horizon generated positions "
-              "until the window nears their end.",
+              "(cascade=true; the default specs add early_stop=true), the visible "
+              "horizon AsyncLane's row uses (none by default) and its renewal calls "
+              "(renew=256 by default: at a block start the block before and the 256 "
+              "positions after are re-encoded in a wide cached call instead of a full "
+              "forward, where that call is narrower than the canvas). An asynclane row is "
+              "compared with the (c) rows of its own footing (horizon, renew); a row "
+              "with a horizon attends only to the first block_length + horizon generated "
+              "positions until the window nears their end.",
               "- asynclane rows are compared with each; `other` rows with none.", "",
               "| " + " | ".join(TABLE_HEAD) + " |",
               "|" + "---|" * len(TABLE_HEAD)]

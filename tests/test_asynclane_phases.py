@@ -46,8 +46,9 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
                 end=jnp.asarray(end, jnp.int32), parent=slot, birth=slot, death=slot,
                 split=slot, fresh=jnp.zeros((b, G), bool), draft=jnp.full((b, G), -1, jnp.int32),
                 eos=row + G, visible=row + G, extend=jnp.zeros((b,), bool),
-                need_full=jnp.zeros((b,), bool), since_full=row, full_win=row, steps=row, forks=row,
-                peak=row + 1, refreshes=row, cuts=row, idle=row)
+                need_full=jnp.zeros((b,), bool), need_renew=jnp.zeros((b,), bool),
+                since_full=row, full_win=row, renew_win=row, steps=row, forks=row,
+                peak=row + 1, refreshes=row, renewals=row, cuts=row, idle=row)
     for k, v in fields.items():
         base[k] = jnp.broadcast_to(jnp.asarray(v, base[k].dtype), base[k].shape)
     if "win" in fields and "qwin" not in fields:  # the window queries where it is
@@ -495,6 +496,44 @@ def test_refresh_decides_the_next_full_forward():
     out = refresh_phase(ctx, gen, gen, moved, call([[2]], full=True), no, no, **kw)
     eq(out.full_win, [5])  # a full forward renews it: no refresh due
     eq(out.need_full, [False])
+
+
+def test_renewals_take_the_refreshes_that_follow_the_window():
+    ctx = context(6)
+    gen = arr([[X] * 6])
+    yes, no = jnp.asarray([True]), jnp.asarray([False])
+    st = make_lanes([[GENERATE]], [[0]], [[4]], G=6, refreshes=1)
+    # With renew, an advance or travel makes the next call a renewal, not a full forward.
+    kw = {**REFRESH, "refresh_at_advance": True, "renew": 8}
+    out = refresh_phase(ctx, gen, gen, st, call([[2]]), yes, no, **kw)
+    eq(out.need_renew, [True])
+    eq(out.need_full, [False])
+    kw = {**REFRESH, "refresh_travel": 4, "renew": 8}
+    moved = st.replace(win=arr([5]), renew_win=arr([1]))
+    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, **kw).need_renew, [True])
+    # Travel counts from the last renewal, not the last full forward.
+    eq(refresh_phase(ctx, gen, gen, moved.replace(renew_win=arr([2])), call([[2]]), no, no,
+                     **kw).need_renew, [False])
+    # The renewal call itself: counted, its window start recorded, the flag cleared;
+    # the columns it re-encoded are fresh (and 0, which its query at column 2 encoded).
+    due = moved.replace(need_renew=yes)
+    renewed = jnp.asarray([[F, F, T, T, F, F]])
+    out = refresh_phase(ctx, gen, gen, due, call([[2]]), no, no, renewed=renewed, **kw)
+    eq(out.renewals, [1])
+    eq(out.renew_win, [5])
+    eq(out.need_renew, [False])
+    eq(out.fresh, [[T, F, T, T, F, F]])
+    # A full forward renews everything: no renewal is counted and none is due.
+    out = refresh_phase(ctx, gen, gen, due, call([[2]], full=True), no, no, **kw)
+    eq(out.renewals, [0])
+    eq(out.need_renew, [False])
+    # full_travel: a full forward once the window moved that far since the last one;
+    # a row due a full forward is not also due a renewal.
+    kw = {**kw, "full_travel": 4}
+    out = refresh_phase(ctx, gen, gen, moved.replace(full_win=arr([1])), call([[2]]), no, no,
+                        **kw)
+    eq(out.need_full, [True])
+    eq(out.need_renew, [False])
 
 
 def test_refresh_extends_the_view_near_the_horizon():

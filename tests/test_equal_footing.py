@@ -260,18 +260,26 @@ def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
             early_stop=True),
         row("fast-dllm:horizon=96:cascade=true:early_stop=true", 1600.0, **horizon),
         row("fast-dllm:horizon=96", 900.0, horizon=96, cache="dual"),
-        row("asynclane", 1800.0),
-        row("asynclane:horizon=96", 3200.0, horizon=96)])
+        row(f"fast-dllm:{bench.EQUAL_FOOTING}:{bench.RENEWAL}", 2400.0, cache="dual",
+            cascade=True, early_stop=True, renew=256),
+        row("fast-dllm:renew=256", 700.0, cache="dual", renew=256),
+        row("asynclane:renew=0", 1800.0, renew=0),
+        row("asynclane:horizon=96", 3200.0, horizon=96),
+        row("asynclane", 3000.0)])
     assert [r["comparison"] for r in rows] == [
-        "published", "early-stop", "equal-footing", "equal-footing", "other", "asynclane",
-        "asynclane"]
-    lane, lane96 = rows[-2:]
+        "published", "early-stop", "equal-footing", "equal-footing", "other",
+        "equal-footing", "other", "asynclane", "asynclane", "asynclane"]
+    lane, lane96, renewing = rows[-3:]
     assert lane["speedup_vs_fastest_baseline"] == pytest.approx(18.0)
     assert lane["speedup_vs_fastest_early_stop"] == pytest.approx(3.6)
-    # (c) at the row's own horizon: none (2000 tokens/s), or 96 (1600 tokens/s).
+    # (c) of the row's own footing: no horizon and no renewals (2000 tokens/s), the
+    # horizon 96 (1600; renewals do not go with it), or AsyncLane's default renewals
+    # (2400).
     assert lane["speedup_vs_fastest_equal_footing"] == pytest.approx(0.9)
     assert lane96["speedup_vs_fastest_equal_footing"] == pytest.approx(2.0)
     assert lane96["speedup_vs_fastest_baseline"] == pytest.approx(32.0)
+    assert renewing["speedup_vs_fastest_equal_footing"] == pytest.approx(1.25)
+    assert bench.footing(renewing) == (0, 256) and bench.footing(lane96) == (96, 0)
     assert {"comparison", *bench.COMPARISONS.values()} <= set(bench.ROW_KEYS)
     # The defaults hold all three comparisons, and they build at the bench's lengths.
     specs = bench.default_specs()
@@ -292,9 +300,10 @@ def test_per_family_speedups_meet_the_fastest_equal_footing_row_of_each_family()
         row(f"localleap:{bench.EQUAL_FOOTING}", {"math": 300.0, "walk": 200.0}, **eq),
         row("fast-dllm:horizon=96:cascade=true", {"math": 900.0, "walk": 900.0},
             horizon=96, cache="dual", cascade=True),
-        row("asynclane", {"math": 400.0, "walk": 260.0})])
-    # Each family against its own fastest (c) row, at the row's horizon (none here): the
-    # walk figure meets LocalLeap (200), the math figure Fast-dLLM (400); the horizon
+        row("asynclane:renew=0", {"math": 400.0, "walk": 260.0}, renew=0)])
+    # Each family against its own fastest (c) row, of the row's footing (no horizon, no
+    # renewals here): the walk figure meets LocalLeap (200), the math figure Fast-dLLM
+    # (400); the horizon
     # row (900) is another horizon's rival and is not met.
     assert rows[-1]["speedup_family_vs_equal_footing"] == {
         "math": pytest.approx(1.0), "walk": pytest.approx(1.3)}

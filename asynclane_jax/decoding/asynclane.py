@@ -40,7 +40,11 @@ One iteration (per row):
      part. With horizon 0 (the default) the row's first
      call is one too. Its logits decode that step. Rows that need no refresh wait for
      one iteration while a full forward serves the rows that do (so each row decodes
-     exactly as it would alone).
+     exactly as it would alone). With `renew` (the default, 256), the refreshes at
+     advances, forks and by travel are renewals instead: the row's next cached call
+     also re-encodes the renew_back positions before the window and the renew
+     positions after it (a second, wider call shape in the same loop); the other rows
+     are served by the same call.
   3. Commit. Window: every masked position with confidence >= threshold; within
      `radius` of such an anchor, >= relaxed_threshold (LocalLeap's rule); lookahead
      draft reuse: a position whose prediction equals the draft made for it while it
@@ -60,22 +64,26 @@ One iteration (per row):
 
 Defaults (experiments/results/asynclane.md): forking at newlines (max_lanes=16), a
 prefix forking only when the next call can re-encode it (fork_when_fresh, so no full
-forward at a fork), a refresh of the canvas once the window has travelled a block
-(refresh_travel=32), no relaxation (relaxed_threshold = threshold), no lookahead, no
-horizon (the whole canvas is attended: on the long answers of tiny-llada-v4b a horizon
-of 96 cost about 30 points, for Fast-dLLM given it as much as for AsyncLane), and the
-cascade. On 500 held-out problems of tiny-llada-v4b at gen_length 512 these defaults
-scored 95.0% at 1821 tokens/s where one lane with the same rules scored 93.2% at 1403
-and Fast-dLLM with early stop and the cascade 93.2% at 1488. max_lanes=1 turns the
-lanes off; horizon=96 gives the visible horizon of earlier releases.
+forward at a fork), a refresh of the cache once the window has travelled a block
+(refresh_travel=32) that is a renewal call (renew=256: the block before the window and
+the 256 positions after it re-encoded in a wide cached call; a full forward only where
+that call would be as wide as the canvas, as at gen_length 256), no relaxation
+(relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is
+attended: on the long answers of tiny-llada-v4b a horizon of 96 cost about 30 points,
+for Fast-dLLM given it as much as for AsyncLane), and the cascade. On 500 held-out
+problems of tiny-llada-v4b at gen_length 512, in one interleaved run: renew=256 scored
+95.4% at 1223 tokens/s, full forwards instead (renew=0) 95.0% at 979, and one lane with
+full forwards 93.2% at 767. max_lanes=1 turns the lanes off; renew=0 gives full
+forwards; horizon=96 gives the visible horizon of earlier releases.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
 
 With one lane, no lookahead, no relaxation (relaxed_threshold = threshold), horizon 0,
-the cascade off and refresh_at_advance on, AsyncLane decodes exactly as Fast-dLLM's
-threshold sampler with a dual cache on LLaDA models (tests/test_asynclane.py checks it
-token for token).
+the cascade off, refresh_at_advance on and full forwards for refreshes (renew=0, or a
+canvas too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold
+sampler with a dual cache on LLaDA models (tests/test_asynclane.py checks it token for
+token).
 """
 
 from __future__ import annotations
@@ -118,12 +126,15 @@ class LaneState:
     visible: jax.Array  # [b] generated positions [0, visible) are attended (the horizon)
     extend: jax.Array  # [b] bool: the window nears the horizon; the next (full) call shows all
     need_full: jax.Array  # [b] bool: the row's next call must be a full forward
+    need_renew: jax.Array  # [b] bool: the row's next cached call is a renewal (wide) call
     since_full: jax.Array  # [b] calls serving the row since its last full forward
     full_win: jax.Array  # [b] window start after the row's last full forward (0 at first)
+    renew_win: jax.Array  # [b] window start after the row's last full forward or renewal
     steps: jax.Array  # [b] iterations that served the row
     forks: jax.Array  # [b]
     peak: jax.Array  # [b] most active lanes at once
     refreshes: jax.Array  # [b] full forwards that served the row
+    renewals: jax.Array  # [b] renewal calls that served the row
     cuts: jax.Array  # [b] lanes terminated or cut by an end-of-text
     idle: jax.Array  # [b] served iterations that committed no position
 
@@ -466,16 +477,19 @@ def advance_phase(ctx: Context, new, lanes: LaneState, frontier, serve, fork, *,
         peak=jnp.maximum(lanes.peak, active).astype(jnp.int32)), advance, gen_done
 
 
-def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput):
+def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, renewed=None):
     """[b, G] bool: the generated columns whose cached K/V are current after this call:
     the call encoded them (a full forward encodes every column; a query at column c
-    encodes c) or they were fresh, and their token did not change (a commit makes a
-    column dirty: its cached K/V were computed from the mask)."""
+    encodes c; `renewed` [b, G], when given, the columns a renewal call re-encoded) or
+    they were fresh, and their token did not change (a commit makes a column dirty: its
+    cached K/V were computed from the mask)."""
     P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
     rows = jnp.arange(ctx.batch)[:, None]
     # A query at column c encodes c (the target c + shift is what it predicts).
     enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
     encoded = jnp.zeros((ctx.batch, G), bool).at[rows, enc].set(True, mode="drop")
+    if renewed is not None:
+        encoded = encoded | renewed
     encoded = jnp.where(out.full, True, encoded) & out.serve[:, None]
     return (lanes.fresh | encoded) & (new == gen)
 
@@ -484,7 +498,8 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
                   gen_done, *, block_length: int, refresh_every: int,
                   refresh_at_advance: bool, horizon: int, tail_hidden: bool,
                   fork=None, refresh_at_fork: bool = False,
-                  refresh_travel: int = 0) -> LaneState:
+                  refresh_travel: int = 0, renew: int = 0, full_travel: int = 0,
+                  renewed=None) -> LaneState:
     """Cache bookkeeping: which cached K/V are current, and whether the next call of a
     row must be a full forward.
 
@@ -501,6 +516,12 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
     and, with refresh_travel, when the window has moved refresh_travel positions or more
     since the row's last full forward (by forks as well as advances).
 
+    With renew > 0 the refreshes due at an advance, a fork or by travel (counted since
+    the last full forward or renewal) are renewals instead: the row's next cached call
+    is wide (`renewal_columns`); a full forward is then due by refresh_every, the
+    horizon, or (full_travel > 0) once the window has moved full_travel positions since
+    the last one. A row due a full forward is not also due a renewal.
+
     Args:
       ctx: the canvas facts (P, G, T, shift).
       gen: [b, G] int32 generated region before this iteration.
@@ -512,26 +533,35 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
       block_length, refresh_every, refresh_at_advance, horizon: the schedule's settings.
       tail_hidden: the first call hid part of the canvas (the visible horizon is in use).
       fork: [b] bool from `fork_phase` (None: no row forked).
-      refresh_at_fork, refresh_travel: the schedule's settings.
+      refresh_at_fork, refresh_travel, renew, full_travel: the schedule's settings.
+      renewed: [b, G] bool, the columns this call renewed (None: no renewal).
     Returns:
-      lanes with fresh [b, G] and since_full, full_win, need_full, visible, extend,
-      refreshes [b] updated.
+      lanes with fresh [b, G] and since_full, full_win, renew_win, need_full,
+      need_renew, visible, extend, refreshes, renewals [b] updated.
     """
     G = ctx.gen_length
-    fresh = fresh_columns(ctx, gen, new, lanes, out)
+    fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
 
     full = out.serve & out.full
+    renewed_row = out.serve & ~out.full & lanes.need_renew
     since = jnp.where(full, 0, lanes.since_full + out.serve)
-    need = jnp.zeros((ctx.batch,), bool)
-    if refresh_every:
-        need = need | (since >= refresh_every)
+    need = jnp.zeros((ctx.batch,), bool)  # a refresh is due (full, or renewal with renew)
     if refresh_at_advance:  # Fast-dLLM's dual cache re-encodes at each new block
         need = need | (advance & ~gen_done)
     if refresh_at_fork and fork is not None:  # the prefix left behind is re-encoded
         need = need | fork
     full_win = jnp.where(full, lanes.win, lanes.full_win)
+    renew_win = jnp.where(full | renewed_row, lanes.win, lanes.renew_win)
     if refresh_travel:  # the window moved a block's worth since the cache was renewed
-        need = need | ((lanes.win - full_win >= refresh_travel) & ~gen_done)
+        need = need | ((lanes.win - (renew_win if renew else full_win) >= refresh_travel)
+                       & ~gen_done)
+    need_renew = jnp.zeros((ctx.batch,), bool)
+    if renew:
+        need, need_renew = jnp.zeros((ctx.batch,), bool), need
+        if full_travel:
+            need = need | ((lanes.win - full_win >= full_travel) & ~gen_done)
+    if refresh_every:
+        need = need | (since >= refresh_every)
     shown = full & lanes.extend
     visible = jnp.where(shown, G, lanes.visible)
     extend = lanes.extend & ~shown
@@ -541,9 +571,12 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
         need = need | near
     return lanes.replace(
         fresh=fresh, since_full=since.astype(jnp.int32), full_win=full_win.astype(jnp.int32),
+        renew_win=renew_win.astype(jnp.int32),
         need_full=jnp.where(out.serve, need, lanes.need_full),
+        need_renew=jnp.where(out.serve, need_renew & ~need, lanes.need_renew),
         visible=visible.astype(jnp.int32), extend=extend,
-        refreshes=(lanes.refreshes + full).astype(jnp.int32))
+        refreshes=(lanes.refreshes + full).astype(jnp.int32),
+        renewals=(lanes.renewals + renewed_row).astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,6 +641,20 @@ class AsyncLaneSchedule(Schedule):
         without an advance, so with forking and no refresh at each fork the cache of
         the canvas after the window is otherwise never renewed; refresh_travel=B
         renews it as often as refresh_at_advance does with one lane.
+      renew: positions after the window that a renewal call re-encodes (0: no
+        renewals, every refresh a full forward). With renew > 0 a refresh due at an advance, a fork or by travel is
+        not a full forward but a renewal: the row's next cached call also queries the
+        `renew_back` positions before the window and the `renew` positions after the
+        window and lookahead, writing their K/V (logits are read only for the usual
+        queries), so the cache near the window is renewed at the cost of a wider
+        cached call. The canvas further on keeps the K/V of the last full forward.
+        Where the renewal call would be at least as wide as the canvas, the full
+        forwards stay (at gen_length 256 with the defaults); so they do with a horizon.
+      renew_back: positions before the window that a renewal call re-encodes.
+      renew_prompt: a renewal call also re-encodes the prompt.
+      full_travel: with renew, a full forward once the window has moved this many
+        positions since the row's last one (0: only the first call's and the
+        horizon's).
       cascade: cascading termination at the first committed end-of-text.
       cache: dual (cached calls between full forwards) or none (every call a full
         forward).
@@ -636,6 +683,10 @@ class AsyncLaneSchedule(Schedule):
     requery_at_fork: bool = False
     fork_when_fresh: bool = True
     refresh_travel: int = 32
+    renew: int = 256
+    renew_back: int = 32
+    renew_prompt: bool = False
+    full_travel: int = 0
     cascade: bool = True
     cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -649,7 +700,8 @@ class AsyncLaneSchedule(Schedule):
         ops.check_threshold(n, self.relaxed_threshold, "relaxed_threshold")
         for field, low in (("block_length", 1), ("radius", 0), ("lookahead", 0), ("max_lanes", 1),
                            ("refine_window", 0), ("refine_budget", 0), ("extra_queries", 0),
-                           ("horizon", 0), ("refresh_every", 0), ("refresh_travel", 0)):
+                           ("horizon", 0), ("refresh_every", 0), ("refresh_travel", 0),
+                           ("renew", 0), ("renew_back", 0), ("full_travel", 0)):
             if getattr(self, field) is not None and getattr(self, field) < low:
                 raise SamplerError(f"{n}: {field}={getattr(self, field)} must be >= {low}")
         if not 0 <= self.stable_fraction <= 1:
@@ -746,8 +798,10 @@ class AsyncLaneSchedule(Schedule):
             visible=jnp.full((b,), self._first_visible(G), jnp.int32),
             extend=jnp.zeros((b,), bool),
             need_full=jnp.full((b,), self._first_visible(G) == G),
-            since_full=zeros, full_win=zeros, steps=zeros, forks=zeros,
-            peak=jnp.ones((b,), jnp.int32), refreshes=zeros, cuts=zeros, idle=zeros)
+            need_renew=jnp.zeros((b,), bool),
+            since_full=zeros, full_win=zeros, renew_win=zeros, steps=zeros, forks=zeros,
+            peak=jnp.ones((b,), jnp.int32), refreshes=zeros, renewals=zeros, cuts=zeros,
+            idle=zeros)
 
     # -- helpers ----------------------------------------------------------------------
     def _first_visible(self, G: int) -> int:
@@ -766,7 +820,34 @@ class AsyncLaneSchedule(Schedule):
         la_enc = (j >= la_lo - shift) & (j < la_lo + W - shift)
         return win_enc, la_enc
 
+    def _renews(self, ctx: Context) -> bool:
+        """Whether refreshes are renewals: renew > 0, a cache, no horizon (whose
+        refreshes keep their full forwards over the view), and a renewal call narrower
+        than the canvas (a wider one would cost more than the full forward it
+        replaces: then the full forwards stay)."""
+        if not self.renew or not self.uses_cache or self.horizon:
+            return False
+        width = (self.block_length + self.lookahead + self.extra_queries + self.renew_back
+                 + self.renew + (ctx.prompt_len if self.renew_prompt else 0))
+        return width < ctx.length
+
+    def renewal_columns(self, st: LaneState, G: int, seen):
+        """[b, R] generated columns a renewal call re-encodes (G: none), R = renew_back +
+        renew: the renew_back positions before the window's queries and the `renew`
+        after the window and its lookahead, within [0, seen) ([b, 1], the text frontier
+        and the horizon). (The prompt's columns, with renew_prompt, come on top.)"""
+        B, W = self.block_length, self.lookahead
+        before = st.qwin[:, None] - self.renew_back + jnp.arange(self.renew_back)[None, :]
+        after = st.win[:, None] + B + W + jnp.arange(self.renew)[None, :]
+        cols = jnp.concatenate([before, after], axis=1)
+        return jnp.where((cols >= 0) & (cols < seen), cols, G)
+
     # -- the schedule -----------------------------------------------------------------
+    def narrow_queries(self, ctx: Context) -> int | None:
+        if not self._renews(ctx):
+            return None
+        return self.block_length + self.lookahead + self.extra_queries
+
     def key_bound(self, ctx: Context) -> int | None:
         V = self._first_visible(ctx.gen_length)
         return None if V == ctx.gen_length else ctx.prompt_len + V
@@ -814,6 +895,15 @@ class AsyncLaneSchedule(Schedule):
             top, idx = jax.lax.top_k(score, min(E, G))
             col = P + idx - jnp.where(top >= 2.0, s, 0)  # a refine target is queried at c - s
             parts.append(jnp.where(jnp.isfinite(top), col, T))
+        wide = None
+        if self._renews(ctx):  # encoded columns (no shift), only for rows due a renewal
+            cols = self.renewal_columns(st, G, seen)
+            due = st.need_renew[:, None]
+            parts.append(jnp.where((cols < G) & due, P + cols, T))
+            if self.renew_prompt:  # the prompt's columns (left padding excluded)
+                pcols = jnp.arange(P, dtype=jnp.int32)[None, :]
+                parts.append(jnp.where(due & (pcols >= ctx.pad_len[:, None]), pcols, T))
+            wide = jnp.any(live & st.need_renew)
         positions = jnp.concatenate(parts, axis=1).astype(jnp.int32)
         if not self.uses_cache:
             return Plan(positions=positions, full=jnp.asarray(True), serve=live)
@@ -823,7 +913,7 @@ class AsyncLaneSchedule(Schedule):
         if self._first_visible(G) < G:  # a row nearing its horizon is shown everything
             visible = jnp.where(st.extend, T, P + st.visible).astype(jnp.int32)
         return Plan(positions=positions, full=full, serve=jnp.where(full, need, live),
-                    visible=visible)
+                    visible=visible, wide=wide)
 
     def update(self, ctx: Context, canvas, st: LaneState, out: CallOutput, key):
         """One iteration's commits and lane moves: the phases above, in order. The
@@ -832,6 +922,13 @@ class AsyncLaneSchedule(Schedule):
         del key
         P, G, B = ctx.prompt_len, ctx.gen_length, self.block_length
         gen = canvas[:, P:]  # [b, G]
+        renewed = None
+        if self._renews(ctx):  # the columns the plan re-encoded (st: the plan's state)
+            seen = jnp.minimum(text_frontier(st.eos, G, self.cascade), st.visible)[:, None]
+            cols = self.renewal_columns(st, G, seen)
+            rows = jnp.arange(ctx.batch)[:, None]
+            renewed = jnp.zeros((ctx.batch, G), bool).at[rows, cols].set(True, mode="drop")
+            renewed = renewed & (st.need_renew & ~out.full)[:, None]
         pred, pconf, has = scatter_predictions(ctx, out)
         new, lanes = commit_phase(
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
@@ -847,7 +944,8 @@ class AsyncLaneSchedule(Schedule):
             ctx, new, lanes, frontier, out.serve, block_length=B,
             refine_window=self.refine_window, stable_fraction=self.stable_fraction,
             delimiter_ids=self.delimiter_ids if self.forking else (),
-            fresh=fresh_columns(ctx, gen, new, lanes, out) if self.fork_when_fresh else None,
+            fresh=(fresh_columns(ctx, gen, new, lanes, out, renewed)
+                   if self.fork_when_fresh else None),
             query_slots=self.extra_queries)
         lanes, advance, gen_done = advance_phase(ctx, new, lanes, frontier, out.serve, fork,
                                                  block_length=B)
@@ -855,7 +953,9 @@ class AsyncLaneSchedule(Schedule):
             ctx, gen, new, lanes, out, advance, gen_done, block_length=B,
             refresh_every=self.refresh_every, refresh_at_advance=self.refresh_at_advance,
             horizon=self.horizon, tail_hidden=self._first_visible(G) < G, fork=fork,
-            refresh_at_fork=self.refresh_at_fork, refresh_travel=self.refresh_travel)
+            refresh_at_fork=self.refresh_at_fork, refresh_travel=self.refresh_travel,
+            renew=self.renew if self._renews(ctx) else 0, full_travel=self.full_travel,
+            renewed=renewed)
         qwin = lanes.win
         if self.requery_at_fork:  # the next call re-encodes the prefix left behind
             qwin = jnp.where(out.serve, jnp.where(fork, st.win, lanes.win), st.qwin)
@@ -870,4 +970,5 @@ class AsyncLaneSchedule(Schedule):
                 "lane_parent": st.parent, "lane_birth": st.birth, "lane_death": st.death,
                 "lane_split": st.split,
                 "forks": st.forks, "peak_lanes": st.peak, "refreshes": st.refreshes,
+                "renewals": st.renewals,
                 "cascade_cuts": st.cuts, "idle_steps": st.idle}

@@ -59,6 +59,11 @@ class Plan:
     # queries (e.g. a first call that encodes a long prefix) computes its output head
     # only where it is read.
     logits_at: jax.Array | None = None
+    # [] bool or None, for a schedule with `narrow_queries` (Qn): whether this cached
+    # call is wide, querying every column of `positions`, or narrow, querying only the
+    # first Qn. The columns after the first Qn are only encoded (their K/V written);
+    # logits are read at the first Qn in either case. None: every column, always.
+    wide: jax.Array | None = None
 
 
 @struct.dataclass
@@ -194,6 +199,15 @@ class Schedule:
         most this, the call reads and attends only the cache's first columns up to it
         (the attention over the hidden suffix is not computed at all). None: always the
         whole canvas."""
+        del ctx
+        return None
+
+    def narrow_queries(self, ctx: Context) -> int | None:
+        """A static query count Qn for a schedule that makes cached calls of two
+        widths: its plans hold Qn queries and then columns that are only re-encoded,
+        and a cached call takes them all only when `Plan.wide` holds (a full forward
+        encodes every column anyway). The logits are those of the first Qn queries in
+        every call. None (the default): one width."""
         del ctx
         return None
 
