@@ -645,11 +645,12 @@ class AsyncLaneSchedule(Schedule):
         renewals, every refresh a full forward). With renew > 0 a refresh due at an
         advance, a fork or by travel is not a full forward but a renewal: the row's
         next cached call also queries the `renew_back` positions before the window
-        and the `renew` positions after the window and lookahead, writing their K/V (logits are read only for the usual
-        queries), so the cache near the window is renewed at the cost of a wider
-        cached call. The canvas further on keeps the K/V of the last full forward.
-        Where the renewal call would be at least as wide as the canvas, the full
-        forwards stay (at gen_length 256 with the defaults); so they do with a horizon.
+        and the `renew` positions after the window and lookahead, writing their K/V
+        (logits are read only for the usual queries), so the cache near the window is
+        renewed at the cost of a wider cached call. The canvas further on keeps the
+        K/V of the last full forward. Where the renewal call would be at least as
+        wide as the canvas, the full forwards stay (at gen_length 256 with the
+        defaults); so they do with a horizon.
       renew_back: positions before the window that a renewal call re-encodes.
       renew_prompt: a renewal call also re-encodes the prompt.
       full_travel: with renew, a full forward once the window has moved this many
