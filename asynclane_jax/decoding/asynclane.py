@@ -832,12 +832,13 @@ class AsyncLaneSchedule(Schedule):
                  + self.renew + (ctx.prompt_len if self.renew_prompt else 0))
         return width < ctx.length
 
-    def renewal_columns(self, st: LaneState, G: int, seen):
+    def renewal_columns(self, st: LaneState, G: int):
         """[b, R] generated columns a renewal call re-encodes (G: none), R = renew_back +
         renew: the renew_back positions before the window's queries and the `renew`
-        after the window and its lookahead, within [0, seen) ([b, 1], the text frontier
-        and the horizon). (The prompt's columns, with renew_prompt, come on top.)"""
+        after the window and its lookahead, before the text frontier and the horizon.
+        (The prompt's columns, with renew_prompt, come on top.)"""
         B, W = self.block_length, self.lookahead
+        seen = jnp.minimum(text_frontier(st.eos, G, self.cascade), st.visible)[:, None]
         before = st.qwin[:, None] - self.renew_back + jnp.arange(self.renew_back)[None, :]
         after = st.win[:, None] + B + W + jnp.arange(self.renew)[None, :]
         cols = jnp.concatenate([before, after], axis=1)
@@ -898,7 +899,7 @@ class AsyncLaneSchedule(Schedule):
             parts.append(jnp.where(jnp.isfinite(top), col, T))
         wide = None
         if self._renews(ctx):  # encoded columns (no shift), only for rows due a renewal
-            cols = self.renewal_columns(st, G, seen)
+            cols = self.renewal_columns(st, G)
             due = st.need_renew[:, None]
             parts.append(jnp.where((cols < G) & due, P + cols, T))
             if self.renew_prompt:  # the prompt's columns (left padding excluded)
@@ -925,8 +926,7 @@ class AsyncLaneSchedule(Schedule):
         gen = canvas[:, P:]  # [b, G]
         renewed = None
         if self._renews(ctx):  # the columns the plan re-encoded (st: the plan's state)
-            seen = jnp.minimum(text_frontier(st.eos, G, self.cascade), st.visible)[:, None]
-            cols = self.renewal_columns(st, G, seen)
+            cols = self.renewal_columns(st, G)
             rows = jnp.arange(ctx.batch)[:, None]
             renewed = jnp.zeros((ctx.batch, G), bool).at[rows, cols].set(True, mode="drop")
             renewed = renewed & (st.need_renew & ~out.full)[:, None]

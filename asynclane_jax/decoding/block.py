@@ -230,6 +230,8 @@ class BlockSchedule(Schedule):
         full_q = jnp.concatenate([cols - ctx.shift, pad], axis=1)  # every column predicted
         if not self.uses_cache:
             return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
+        if self._renews(ctx):
+            return self._renewal_plan(ctx, state, live, cols, full_q)
         need = live & (state.step_in_block == 0)
         refresh = jnp.all(need | ~live)
         visible = None
@@ -241,8 +243,6 @@ class BlockSchedule(Schedule):
             cached_q = cols[:, :1] + jnp.arange(Q, dtype=jnp.int32)[None, :]
             end = T if visible is None else visible[:, None]
             cached_q = jnp.where(cached_q < end, cached_q, T)
-        if self._renews(ctx):
-            return self._renewal_plan(ctx, state, live, cols, full_q)
         return Plan(positions=jnp.where(refresh, full_q, cached_q), full=refresh,
                     serve=jnp.where(refresh, need, live & ~need), visible=visible)
 
