@@ -12,6 +12,9 @@ and model calls per token:
     once);
   forks, refine lanes (lanes forked with masks left) and their mean lifetime in
     iterations (death - split);
+  renewals: mean renewal calls per problem (AsyncLane);
+  wrong: length / value: wrong answers with a wrong number of lines (the answer sized
+    wrongly) and with the right number (a wrong value);
   acc_diff_vs: accuracy minus the reference variant's on the same problems, with a 95%
     paired bootstrap interval (2000 resamples).
 Per-problem records are saved too (with the family; "problem" is the index among the
@@ -84,6 +87,16 @@ def overlap_iterations(stats, row: int) -> int:
     return n
 
 
+def line_counts(problem, row) -> dict:
+    """Working lines right, in the reference and in the output (a wrong line count is
+    an answer sized wrongly; the same count with a line wrong is a wrong value)."""
+    from asynclane_jax.testbed import tasks
+
+    right, ref = tasks.line_accuracy(problem, row)
+    out = len(tasks.parse_lines(tasks.response_text(tasks.tokenizer.decode_ids(row))))
+    return {"lines_right": right, "lines_ref": ref, "lines_out": out}
+
+
 def record(res, problems, idx, check) -> list[dict]:
     st = res.stats
     out = []
@@ -92,7 +105,10 @@ def record(res, problems, idx, check) -> list[dict]:
                "ok": bool(check(problems[idx[r]], row)),
                "tokens": int(st.generated_tokens[r]),
                "calls": int(st.row_nfe_full[r] + st.row_nfe_partial[r]),
-               "full_calls": int(st.row_nfe_full[r]), "steps": int(st.row_steps[r])}
+               "full_calls": int(st.row_nfe_full[r]), "steps": int(st.row_steps[r]),
+               **line_counts(problems[idx[r]], row)}
+        if getattr(st, "renewals", None) is not None:
+            rec["renewals"] = int(st.renewals[r])
         if getattr(st, "idle_steps", None) is not None:
             split, death = st.lane_split[r], st.lane_death[r]
             life = [int(d - s) for s, d in zip(split, death) if s >= 0 and d > s]
@@ -122,6 +138,13 @@ def summarize(recs: list[dict], wall: float) -> dict:
             "refine_lanes": len(life) / len(recs),
             "refine_lifetime": float(np.mean(life)) if life else None,
             "full_calls": float(np.mean([r["full_calls"] for r in recs])),
+            "renewals": (float(np.mean([r["renewals"] for r in recs]))
+                         if all("renewals" in r for r in recs) else None),
+            # wrong answers by kind: a wrong number of lines, or the right number
+            "wrong_length": sum(not r["ok"] and r["lines_out"] != r["lines_ref"]
+                                for r in recs),
+            "wrong_value": sum(not r["ok"] and r["lines_out"] == r["lines_ref"]
+                               for r in recs),
             "wall_s": wall}
 
 
@@ -199,7 +222,8 @@ def main() -> int:
             "command": shlex.join(["python", "experiments/asynclane_forking.py",
                                    *sys.argv[1:]])}
     head = ("variant", "accuracy", "diff vs ref [95% CI]", "tok/s", "calls/token", "steps",
-            "idle", "overlap", "forks", "refine lanes", "lifetime")
+            "idle", "overlap", "forks", "refine lanes", "lifetime", "renewals",
+            "wrong: length / value")
     print(" | ".join(head))
     for r in rows:
         d = r[f"acc_diff_vs_{variants[ref][0]}"]
@@ -209,7 +233,9 @@ def main() -> int:
                           f"{r['tps']:.0f}", f"{r['calls_per_token']:.3f}",
                           f"{r['steps']:.2f}", f"{r['idle']:.2f}", f"{r['overlap']:.2f}",
                           f"{r['forks']:.2f}", f"{r['refine_lanes']:.2f}",
-                          "-" if r["refine_lifetime"] is None else f"{r['refine_lifetime']:.2f}"]))
+                          "-" if r["refine_lifetime"] is None else f"{r['refine_lifetime']:.2f}",
+                          "-" if r["renewals"] is None else f"{r['renewals']:.2f}",
+                          f"{r['wrong_length']} / {r['wrong_value']}"]))
     out = pathlib.Path(args.out or RESULTS / f"asynclane_forking_{pathlib.Path(args.model).name}"
                        f"_{G}.json")
     out.write_text(json.dumps({"meta": meta, "rows": rows,

@@ -92,6 +92,23 @@ def drive(schedule: AsyncLaneSchedule, table, calls=None):
     return np.asarray(canvas[0, P:]), step, it, state
 
 
+def test_the_default_lane_slots_fork_at_every_line_of_a_long_answer():
+    # 32 lines of 8 positions (gen_length 256): the default gives 256 / 8 = 32 slots, so
+    # the row forks at each of its 31 delimiters before the tail; 16 slots fork 15 times
+    # and leave the later lines to one lane, in more iterations, with the same text.
+    table = unsure_lines_table(256, 8)
+    case = {**FRESH, "gen_length": 256}
+    default = AsyncLaneSchedule(**case)
+    assert default.lane_slots == 32
+    assert AsyncLaneSchedule(**{**case, "gen_length": 64}).lane_slots == 16  # the floor
+    assert AsyncLaneSchedule(**{**case, "delimiters": "none"}).lane_slots == 1
+    tokens, _, iters, state = drive(default, table)
+    few_tokens, _, few_iters, few_state = drive(AsyncLaneSchedule(max_lanes=16, **case), table)
+    np.testing.assert_array_equal(tokens, few_tokens)
+    assert int(state.forks[0]) == 31 and int(few_state.forks[0]) == 15
+    assert iters < few_iters
+
+
 def lanes_of(state):
     """The used lane slots of row 0: (kind, start, end, split, death) tuples."""
     k, s, e, sp, d = (np.asarray(x[0]) for x in (state.kind, state.start, state.end,

@@ -10,10 +10,13 @@ import numpy as np
 from asynclane_jax.decoding.asynclane import (
     LaneState,
     advance_phase,
+    at_owner,
     cascade_phase,
     commit_phase,
     fork_phase,
     lane_members,
+    lane_owner,
+    per_lane,
     refresh_phase,
     retire_phase,
     scatter_predictions,
@@ -72,6 +75,25 @@ def test_text_frontier_and_lane_members():
     eq(lane_members(st, 5, (REFINE,))[0], [[T, F, F], [T, F, F], [F, F, F], [F, F, F],
                                             [F, F, F]])
     eq(lane_members(st, 5, (REFINE, GENERATE))[0, :, 1], [F, F, T, T, F])
+
+
+def test_lane_owner_and_the_reductions_over_it():
+    # Two rows of a tiled region (G = 7): row 0 refine [0, 2), done [2, 3), refine
+    # [3, 5), generate [5, 7); row 1 a lone generate lane and free slots.
+    st = make_lanes([[REFINE, DONE, REFINE, GENERATE], [GENERATE, FREE, FREE, FREE]],
+                    [[0, 2, 3, 5], [0, 0, 0, 0]], [[2, 3, 5, 7], [7, 0, 0, 0]], G=7)
+    owner = lane_owner(st, 7, (REFINE,))
+    eq(owner, [[0, 0, 4, 2, 2, 4, 4], [4] * 7])  # M = 4: no refine lane holds it
+    eq(lane_owner(st, 7, (REFINE, DONE, GENERATE))[0], [0, 0, 1, 2, 2, 3, 3])
+    members = lane_members(st, 7, (REFINE,))  # the [b, G, M] masks it replaces
+    eq(owner < 4, jnp.any(members, axis=-1))
+    eq(jnp.where(owner < 4, owner, -1), jnp.where(jnp.any(members, axis=-1),
+                                                   jnp.argmax(members, axis=-1), -1))
+    values = arr([[0.1, 0.7, 0.9, 0.2, 0.5, 0.8, 0.3], [0.4] * 7], jnp.float32)
+    best = per_lane(owner, values, 4, -1.0)
+    np.testing.assert_allclose(best, [[0.7, -1.0, 0.5, -1.0], [-1.0] * 4])
+    eq(at_owner(owner, arr([[10, 11, 12, 13], [20, 21, 22, 23]]), -1),
+       [[10, 10, -1, 12, 12, -1, -1], [-1] * 7])
 
 
 def test_scatter_predictions():

@@ -101,7 +101,12 @@ from asynclane_jax.decoding import ops
 from asynclane_jax.decoding.lanes import DONE, FREE, GENERATE, REFINE, TERMINATED, LaneStats
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
 
-DEFAULT_MAX_LANES = 16  # lane slots when max_lanes is not given and the delimiters are known
+# Lane slots when max_lanes is not given and the delimiters are known: one per
+# LANE_SPACING generated positions, at least DEFAULT_MAX_LANES. Slots are never reused,
+# so a row forks at most M - 1 times; lines of about LANE_SPACING tokens or more then
+# fork at every line (the testbed's long answers run to 34 lines in 377 tokens).
+DEFAULT_MAX_LANES = 16
+LANE_SPACING = 8
 
 
 @struct.dataclass
@@ -171,6 +176,36 @@ def lane_members(lanes: LaneState, G: int, kinds):
     j = jnp.arange(G)[None, :, None]
     live = jnp.isin(lanes.kind, jnp.asarray(kinds))[:, None, :]
     return live & (j >= lanes.start[:, None, :]) & (j < lanes.end[:, None, :])
+
+
+def lane_owner(lanes: LaneState, G: int, kinds):
+    """[b, G] int32: the slot whose span [start, end) holds generated position j and
+    whose kind is one of `kinds`; M where none does. The spans of a row's lanes tile its
+    region, so a position lies in at most one of them (were two to overlap, the higher
+    slot would be named). The phases read lanes per position through this [b, G] array
+    and per lane through segment reductions over it (`per_lane`, `at_owner`), where
+    `lane_members`' [b, G, M] masks made their cost grow with M."""
+    M = lanes.kind.shape[-1]
+    member = lane_members(lanes, G, kinds)
+    owner = jnp.max(jnp.where(member, jnp.arange(M)[None, None, :], -1), axis=-1)
+    return jnp.where(owner < 0, M, owner).astype(jnp.int32)
+
+
+def per_lane(owner, values, M: int, fill):
+    """[b, M] the maximum of `values` [b, G] over each slot's positions (owner [b, G]
+    from `lane_owner`; positions owned by none are left out); `fill` where a slot owns
+    none."""
+    rows = jnp.arange(owner.shape[0])[:, None]
+    base = jnp.full((owner.shape[0], M), fill, values.dtype)
+    return base.at[rows, owner].max(values, mode="drop")
+
+
+def at_owner(owner, lane_values, fill):
+    """[b, G] each position's slot's value from `lane_values` [b, M] (`fill` where no
+    slot owns it)."""
+    M = lane_values.shape[-1]
+    got = jnp.take_along_axis(lane_values, jnp.minimum(owner, M - 1), axis=1)
+    return jnp.where(owner < M, got, fill)
 
 
 def scatter_predictions(ctx: Context, out: CallOutput):
@@ -244,15 +279,17 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
     masked = gen == ctx.mask_id
     lo = lanes.win[:, None]
     in_win = (j >= lo) & (j < lo + block_length) & (j < frontier[:, None])
-    member_r = lane_members(lanes, G, (REFINE,))  # [b, G, M]
-    refining = jnp.any(member_r & masked[..., None], axis=(1, 2))[:, None]  # [b, 1]
+    M = lanes.kind.shape[-1]
+    owner_r = lane_owner(lanes, G, (REFINE,))  # [b, G]
+    in_r = owner_r < M  # [b, G] the position lies in a refine lane
+    refining = jnp.any(in_r & masked, axis=-1, keepdims=True)  # [b, 1]
     cand = masked & in_win & has
 
     def best_of(ok_):  # [b, G] the most confident position among ok_ (first on ties)
         c_ = jnp.where(ok_, pconf, ops.NEG_INF)
         return ok_ & (j == jnp.argmax(c_, axis=-1)[:, None])
 
-    rcand = masked & has & jnp.any(member_r, axis=-1)  # [b, G]
+    rcand = masked & has & in_r  # [b, G]
     # The window's rules; with a progress rule other than wait, the refine lanes' too
     # (anchors in either serve both), as if the window still covered them.
     shared = progress != "wait"
@@ -267,11 +304,11 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
         ok = ok | ((lanes.draft == pred) & (pconf >= min(draft_threshold, threshold)))
     commit = (cand & ok) | top1
 
-    lane_best = jnp.max(jnp.where(member_r & rcand[..., None], pconf[..., None], ops.NEG_INF),
-                        axis=1)  # [b, M]
+    lane_best = per_lane(owner_r, jnp.where(rcand, pconf, ops.NEG_INF), M,
+                         ops.NEG_INF)  # [b, M]
     over = (lanes.steps[:, None] - lanes.split) >= refine_budget  # [b, M]
-    is_best = jnp.any(member_r & over[:, None, :]
-                      & (pconf[..., None] >= lane_best[:, None, :]), axis=-1)  # [b, G]
+    is_best = (at_owner(owner_r, over, False)
+               & (pconf >= at_owner(owner_r, lane_best, jnp.inf)))  # [b, G]
     commit = commit | (rcand & ((ok if shared else sure) | is_best))
     if progress != "wait":  # never an iteration without a commit while refining
         if progress == "best":
@@ -340,10 +377,10 @@ def retire_phase(ctx: Context, new, lanes: LaneState) -> LaneState:
     Returns:
       lanes with kind and death [b, M] updated.
     """
-    G = new.shape[-1]
-    member = lane_members(lanes, G, (REFINE,))  # [b, G, M]
-    finished = (lanes.kind == REFINE) & ~jnp.any(member & (new == ctx.mask_id)[..., None],
-                                                 axis=1)  # [b, M]
+    G, M = new.shape[-1], lanes.kind.shape[-1]
+    owner = lane_owner(lanes, G, (REFINE,))  # [b, G]
+    masked = per_lane(owner, (new == ctx.mask_id).astype(jnp.int32), M, 0) > 0  # [b, M]
+    finished = (lanes.kind == REFINE) & ~masked  # [b, M]
     return lanes.replace(kind=jnp.where(finished, DONE, lanes.kind).astype(jnp.int32),
                          death=jnp.where(finished, lanes.steps[:, None],
                                          lanes.death).astype(jnp.int32))
@@ -596,9 +633,11 @@ class AsyncLaneSchedule(Schedule):
         prediction equals its lookahead draft (capped at threshold).
       max_lanes: lane slots per row (the lane tree's size); each fork takes one, and
         forking stops when they run out (1: no forking; the window works through
-        the canvas block by block). Default (None): DEFAULT_MAX_LANES (16) when the
-        delimiters are known (a tokenizer, or delimiters given as ids), else one lane,
-        with a warning.
+        the canvas block by block). Default (None): when the delimiters are known
+        (a tokenizer, or delimiters given as ids), one slot per 8 generated
+        positions and at least 16 (`lane_slots`: 64 at gen_length 512), so that
+        forking does not run out of slots on long answers; else one lane, with a
+        warning.
       delimiters: where lanes fork: newline (every token whose text contains a
         newline; needs the tokenizer when max_lanes > 1), none, or comma-separated
         token ids.
@@ -757,11 +796,14 @@ class AsyncLaneSchedule(Schedule):
 
     @property
     def lane_slots(self) -> int:
-        """max_lanes, or its default for the delimiters known so far (DEFAULT_MAX_LANES
-        when there are some, else 1)."""
+        """max_lanes, or its default for the delimiters known so far: when there are
+        some, one slot per LANE_SPACING generated positions and at least
+        DEFAULT_MAX_LANES (64 at gen_length 512, 32 at 256); else 1."""
         if self.max_lanes is not None:
             return self.max_lanes
-        return DEFAULT_MAX_LANES if self.delimiter_ids else 1
+        if not self.delimiter_ids:
+            return 1
+        return max(DEFAULT_MAX_LANES, self.gen_length // LANE_SPACING)
 
     # -- what the driver asks -------------------------------------------------------
     @property
@@ -891,7 +933,7 @@ class AsyncLaneSchedule(Schedule):
             # (A refine target the window's queries already cover is not queried twice:
             # with requery_at_fork, the call after a fork queries the prefix's window.)
             in_q = (j >= st.qwin[:, None]) & (j < st.qwin[:, None] + B)
-            refine = masked & jnp.any(lane_members(st, G, (REFINE,)), axis=-1) & ~in_q
+            refine = masked & (lane_owner(st, G, (REFINE,)) < st.kind.shape[-1]) & ~in_q
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
             score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, ops.NEG_INF))
             top, idx = jax.lax.top_k(score, min(E, G))
