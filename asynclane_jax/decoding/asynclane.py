@@ -182,9 +182,10 @@ def lane_owner(lanes: LaneState, G: int, kinds):
     """[b, G] int32: the slot whose span [start, end) holds generated position j and
     whose kind is one of `kinds`; M where none does. The spans of a row's lanes tile its
     region, so a position lies in at most one of them (were two to overlap, the higher
-    slot would be named). The phases read lanes per position through this [b, G] array
-    and per lane through segment reductions over it (`per_lane`, `at_owner`), where
-    `lane_members`' [b, G, M] masks made their cost grow with M."""
+    slot would be named). It is one reduction over `lane_members`' [b, G, M] masks; the
+    phases then read lanes per position through this [b, G] array and per lane through
+    segment reductions over it (`per_lane`, `at_owner`), instead of several [b, G, M]
+    operations each."""
     M = lanes.kind.shape[-1]
     member = lane_members(lanes, G, kinds)
     owner = jnp.max(jnp.where(member, jnp.arange(M)[None, None, :], -1), axis=-1)
