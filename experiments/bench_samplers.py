@@ -6,13 +6,14 @@ Fast-dLLM and LocalLeap at the faster of prefix and dual cache; tokens/s counts 
 before the first end-of-text over decoding time (compilation excluded). Results go to
 experiments/results/bench_<model>.json (rewritten after each generation length), .md and
 .png (the plot when matplotlib is installed); with --batch B other than 1 the names end
-in _batchB. The command that made them is kept in the JSON's meta and at the top of the .md.
+in _batchB, and with --tag T in _T (a run of a few specs that must not overwrite the
+full bench). The command that made them is kept in the JSON's meta and at the top of the .md.
 
 The default specs (bench.DEFAULT_SAMPLERS) hold the three comparisons: the baselines as
 published, with early stop, and with AsyncLane's horizon and cascade (bench's docstring).
 
 Usage: python experiments/bench_samplers.py [--model tiny-llada] [--n 50] [--batch 1]
-       [--gen-lengths 128,256,512] [--samplers SPEC,SPEC,...]
+       [--gen-lengths 128,256,512] [--samplers SPEC,SPEC,...] [--tag T]
 """
 
 from __future__ import annotations
@@ -36,12 +37,17 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gen-lengths", default=",".join(map(str, bench.DEFAULT_GEN_LENGTHS)))
     ap.add_argument("--samplers", default=None, help="default: the bench command's")
+    ap.add_argument("--tag", default=None, help="results named bench_<model>[_batchB]_<tag>")
     args = ap.parse_args()
 
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"bench_{pathlib.Path(args.model).name}"
     if args.batch != 1:
         stem = stem.with_name(f"{stem.name}_batch{args.batch}")
+    if args.tag:
+        if not args.tag.replace("-", "").replace("_", "").isalnum():
+            ap.error(f"--tag {args.tag!r}: letters, digits, - and _ only")
+        stem = stem.with_name(f"{stem.name}_{args.tag}")
     argv = ["--model", args.model, "--n", str(args.n), "--batch", str(args.batch),
             "--gen-lengths", args.gen_lengths, "--json", f"{stem}.json"]
     if args.samplers:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
+import sys
 import time
 
 from asynclane_jax import checkpoint
@@ -123,12 +125,8 @@ def main(argv=None):
     tail = {k: sum(v[-100:]) / len(v[-100:]) for k, v in d.log.items() if k != "step"}
     run = {"steps": d.step, "train_minutes": d.train_seconds / 60,
            "wall_minutes": (time.time() - t0) / 60, "final": tail,
-           "command": " ".join(["python experiments/train_d2f.py"]
-                               + ([f"--teacher {args.teacher}"]
-                                  if args.teacher != "tiny-llada" else [])
-                               + ([f"--name {args.name}"] if args.name else [])
-                               + [f"--steps {args.steps}" if args.steps
-                                  else f"--minutes {args.minutes:g}"])}
+           "command": shlex.join(["python", "experiments/train_d2f.py",
+                                  *(sys.argv[1:] if argv is None else argv)])}
     student = d.student()
     teacher, tok, _ = checkpoint.load(args.teacher)
     evals = [evaluate(m, tok, sampler="d2f", gen_length=gen_length, n=args.eval_n,

@@ -171,13 +171,15 @@ def test_bidirectional_model_runs_with_full_forwards_and_says_so_once():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-llada-d2f", "tiny-dream-d2f", "tiny-llada-v4b-d2f"])
-def test_shipped_students_end_to_end(name):
+@pytest.mark.parametrize("name, least", [("tiny-llada-d2f", 5), ("tiny-dream-d2f", 5),
+                                         ("tiny-llada-v4b-d2f", 5), ("tiny-dream-v4-d2f", 4)])
+def test_shipped_students_end_to_end(name, least):
     """The shipped D2F students decode held-out problems of their task set on the cached
-    path, at the length it needs, and answer most of them (on 200 held-out problems
-    tiny-llada-d2f and tiny-dream-d2f score above 80% at 256; tiny-llada-v4b-d2f, whose
-    answers run to 377 tokens, 70.5% at 512: 98-100% of the short families' first
-    problems, which make half of these 8)."""
+    path, at the length it needs, and answer at least `least` of the first 8: on 200
+    held-out problems tiny-llada-d2f and tiny-dream-d2f score above 80% at 256. The v4
+    students (answers up to 377 tokens; 70.5% and 72.0% at 512) answer every problem of
+    the short families, half of these 8, and lose most long answers
+    (experiments/results/d2f.md): tiny-dream-v4-d2f none of these 4."""
     import asynclane_jax as aj
     from asynclane_jax.testbed import evaluate as ev
     from asynclane_jax.testbed import tasks
@@ -192,7 +194,10 @@ def test_shipped_students_end_to_end(name):
                        gen_length=tasks.default_gen_length(task_set))
     assert res.stats.nfe_full == 0 and res.stats.nfe_partial > 0
     assert not np.any(res.tokens == model.cfg.mask_token_id)
-    assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 5
+    right = [bool(tasks.check(p, row)) for p, row in zip(problems, res.tokens)]
+    assert sum(right) >= least
+    if task_set != "v1":  # every short-family problem right
+        assert all(r for p, r in zip(problems, right) if p.family in ("math", "code"))
 
 
 def test_a_full_window_that_finishes_at_once_goes_on_to_the_next_block():
