@@ -27,12 +27,13 @@ separately:
   (c) `equal-footing`: the block baselines given AsyncLane's mid-block cascade
     (cascade=true; the default specs add early_stop=true), the visible horizon
     AsyncLane's row uses (none by default, as AsyncLane's default is none) and its
-    renewal calls (`renew`: AsyncLane's default 256; the default specs give the
-    baselines the dual cache with renew=256, and also run them and AsyncLane without
-    renewals). An asynclane row's (c) speed-up is over the fastest (c) row of its own
-    footing (`footing`: horizon and renew, the sampler's defaults when not given), so
-    `asynclane:horizon=96` meets `fast-dllm:horizon=96:cascade=true`, the default
-    asynclane meets the (c) rows with renew=256 and `asynclane:renew=0` those without.
+    renewal calls (`renew`: none by default, as AsyncLane's default is none; the
+    default specs also run the baselines with the dual cache and renew=256 against
+    `asynclane:renew=256`). An asynclane row's (c) speed-up is over the fastest (c)
+    row of its own footing (`footing`: horizon and renew, the sampler's defaults when
+    not given), so `asynclane:horizon=96` meets `fast-dllm:horizon=96:cascade=true`,
+    the default asynclane meets the (c) rows without renewals and
+    `asynclane:renew=256` those with renew=256.
 Rows of `asynclane` itself are `asynclane`; a baseline with a horizon or renewals but
 no cascade is `other` and in no comparison.
 
@@ -76,14 +77,14 @@ import numpy as np
 from asynclane_jax.errors import UsageError, run_command
 
 # The (c) specs: AsyncLane's default cascade and horizon (none) and early stop (its
-# block_length, 32, is the default); with its renewal calls (renew=256, the dual cache)
-# and without them (then met by `asynclane:renew=0`).
+# block_length, 32, is the default), and with the renewal calls AsyncLane offers as an
+# option (renew=256, the dual cache; met by `asynclane:renew=256`).
 EQUAL_FOOTING = "cascade=true:early_stop=true"
 RENEWAL = "cache=dual:renew=256"
 DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
                     "localleap:early_stop=true", f"fast-dllm:{EQUAL_FOOTING}",
                     f"localleap:{EQUAL_FOOTING}", f"fast-dllm:{EQUAL_FOOTING}:{RENEWAL}",
-                    f"localleap:{EQUAL_FOOTING}:{RENEWAL}", "asynclane", "asynclane:renew=0")
+                    f"localleap:{EQUAL_FOOTING}:{RENEWAL}", "asynclane", "asynclane:renew=256")
 DEFAULT_GEN_LENGTHS = (128, 256, 512)
 # Options a spec gets when it does not set them: each sampler at its best setting.
 DEFAULT_OPTIONS = {"fast-dllm": {"cache": "prefix|dual"},
@@ -502,9 +503,10 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "- (c) equal footing: block baselines given AsyncLane's mid-block cascade "
               "(cascade=true; the default specs add early_stop=true), the visible "
               "horizon AsyncLane's row uses (none by default) and its renewal calls "
-              "(renew=256 by default: at a block start the block before and the 256 "
-              "positions after are re-encoded in a wide cached call instead of a full "
-              "forward, where that call is narrower than the canvas). An asynclane row is "
+              "(none by default; with renew=256 the refreshes are renewals: the block "
+              "before the window and the 256 positions after it are re-encoded in a "
+              "wide cached call instead of a full forward, where that call is narrower "
+              "than the canvas). An asynclane row is "
               "compared with the (c) rows of its own footing (horizon, renew); a row "
               "with a horizon attends only to the first block_length + horizon generated "
               "positions until the window nears their end.",

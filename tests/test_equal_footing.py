@@ -265,7 +265,7 @@ def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
         row("fast-dllm:renew=256", 700.0, cache="dual", renew=256),
         row("asynclane:renew=0", 1800.0, renew=0),
         row("asynclane:horizon=96", 3200.0, horizon=96),
-        row("asynclane", 3000.0)])
+        row("asynclane:renew=256", 3000.0, renew=256)])
     assert [r["comparison"] for r in rows] == [
         "published", "early-stop", "equal-footing", "equal-footing", "other",
         "equal-footing", "other", "asynclane", "asynclane", "asynclane"]
@@ -273,13 +273,14 @@ def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
     assert lane["speedup_vs_fastest_baseline"] == pytest.approx(18.0)
     assert lane["speedup_vs_fastest_early_stop"] == pytest.approx(3.6)
     # (c) of the row's own footing: no horizon and no renewals (2000 tokens/s), the
-    # horizon 96 (1600; renewals do not go with it), or AsyncLane's default renewals
-    # (2400).
+    # horizon 96 (1600; renewals do not go with it), or renewals of 256 (2400).
     assert lane["speedup_vs_fastest_equal_footing"] == pytest.approx(0.9)
     assert lane96["speedup_vs_fastest_equal_footing"] == pytest.approx(2.0)
     assert lane96["speedup_vs_fastest_baseline"] == pytest.approx(32.0)
     assert renewing["speedup_vs_fastest_equal_footing"] == pytest.approx(1.25)
     assert bench.footing(renewing) == (0, 256) and bench.footing(lane96) == (96, 0)
+    # AsyncLane's defaults: no horizon, no renewals.
+    assert bench.footing(row("asynclane", 1.0)) == (0, 0)
     assert {"comparison", *bench.COMPARISONS.values()} <= set(bench.ROW_KEYS)
     # The defaults hold all three comparisons, and they build at the bench's lengths.
     specs = bench.default_specs()

@@ -40,7 +40,7 @@ One iteration (per row):
      part. With horizon 0 (the default) the row's first
      call is one too. Its logits decode that step. Rows that need no refresh wait for
      one iteration while a full forward serves the rows that do (so each row decodes
-     exactly as it would alone). With `renew` (the default, 256), the refreshes at
+     exactly as it would alone). With `renew` > 0 (off by default), the refreshes at
      advances, forks and by travel are renewals instead: the row's next cached call
      also re-encodes the renew_back positions before the window and the renew
      positions after it (a second, wider call shape in the same loop); the other rows
@@ -62,19 +62,21 @@ One iteration (per row):
      A refine lane with no masks left is done. A row is finished when no generated
      position is masked.
 
-Defaults (experiments/results/asynclane.md): forking at newlines (max_lanes=16), a
-prefix forking only when the next call can re-encode it (fork_when_fresh, so no full
-forward at a fork), a refresh of the cache once the window has travelled a block
-(refresh_travel=32) that is a renewal call (renew=256: the block before the window and
-the 256 positions after it re-encoded in a wide cached call; a full forward only where
-that call would be as wide as the canvas, as at gen_length 256), no relaxation
-(relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is
-attended: on the long answers of tiny-llada-v4b a horizon of 96 cost about 30 points,
-for Fast-dLLM given it as much as for AsyncLane), and the cascade. On 500 held-out
-problems of tiny-llada-v4b at gen_length 512, in one interleaved run: renew=256 scored
-95.4% at 1223 tokens/s, full forwards instead (renew=0) 95.0% at 979, and one lane with
-full forwards 93.2% at 767. max_lanes=1 turns the lanes off; renew=0 gives full
-forwards; horizon=96 gives the visible horizon of earlier releases.
+Defaults (experiments/results/asynclane.md): forking at newlines (one lane slot per 8
+generated positions, at least 16), a prefix forking only when the next call can
+re-encode it (fork_when_fresh, so no full forward at a fork), a full forward once the
+window has travelled a block (refresh_travel=32), no relaxation (relaxed_threshold =
+threshold), no lookahead, no horizon (the whole canvas is attended: on the long answers
+of tiny-llada-v4b a horizon of 96 cost about 30 points, for Fast-dLLM given it as much
+as for AsyncLane), and the cascade. Renewal calls (renew=256: the block before the
+window and the 256 positions after it re-encoded in a wide cached call instead of a
+full forward) are an option: on 500 held-out problems of tiny-llada-v4b at gen_length
+512, in one interleaved run, they are 1.21x faster (1664 against 1374 tokens/s) at the
+same overall accuracy (95.4% against 95.2%), but they move it between answer lengths:
+129-256 tokens 96.0% against 89.0%, more than 256 tokens 79.5% against 87.2% (vanilla:
+88.0% and 88.5%). The default keeps every length bucket within about a point of
+vanilla. max_lanes=1 turns the lanes off; horizon=96 gives the visible horizon of
+earlier releases.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
@@ -681,16 +683,18 @@ class AsyncLaneSchedule(Schedule):
         without an advance, so with forking and no refresh at each fork the cache of
         the canvas after the window is otherwise never renewed; refresh_travel=B
         renews it as often as refresh_at_advance does with one lane.
-      renew: positions after the window that a renewal call re-encodes (0: no
-        renewals, every refresh a full forward). With renew > 0 a refresh due at an
-        advance, a fork or by travel is not a full forward but a renewal: the row's
-        next cached call also queries the `renew_back` positions before the window
-        and the `renew` positions after the window and lookahead, writing their K/V
-        (logits are read only for the usual queries), so the cache near the window is
-        renewed at the cost of a wider cached call. The canvas further on keeps the
-        K/V of the last full forward. Where the renewal call would be at least as
-        wide as the canvas, the full forwards stay (at gen_length 256 with the
-        defaults); so they do with a horizon.
+      renew: positions after the window that a renewal call re-encodes (0, the
+        default: no renewals, every refresh a full forward). With renew > 0 a
+        refresh due at an advance, a fork or by travel is not a full forward but a
+        renewal: the row's next cached call also queries the `renew_back` positions
+        before the window and the `renew` positions after the window and lookahead,
+        writing their K/V (logits are read only for the usual queries), so the cache
+        near the window is renewed at the cost of a wider cached call. The canvas
+        further on keeps the K/V of the last full forward. Where the renewal call
+        would be at least as wide as the canvas, the full forwards stay (renew=256 at
+        gen_length 256); so they do with a horizon. renew=256 is 1.21x faster at
+        gen_length 512 on tiny-llada-v4b and costs its answers longer than 256 tokens
+        7.7 points (module docstring).
       renew_back: positions before the window that a renewal call re-encodes.
       renew_prompt: a renewal call also re-encodes the prompt.
       full_travel: with renew, a full forward once the window has moved this many
@@ -724,7 +728,7 @@ class AsyncLaneSchedule(Schedule):
     requery_at_fork: bool = False
     fork_when_fresh: bool = True
     refresh_travel: int = 32
-    renew: int = 256
+    renew: int = 0
     renew_back: int = 32
     renew_prompt: bool = False
     full_travel: int = 0
