@@ -320,6 +320,30 @@ def test_shipped_routers_end_to_end(name, tiny_llada):
     assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llada-v4b", "tiny-dream-v4"])
+def test_shipped_routers_of_the_long_answer_models(name):
+    """The v4 models' own routers, found through their folders, decode the first 8
+    held-out problems of v4 (4 short, 4 long answers) at gen_length 512 with no mask
+    left, and answer at least 6 (on 100 held-out problems eb scores 86.0% and 95.0%:
+    experiments/results/eb_<model>.md)."""
+    import asynclane_jax as aj
+    from asynclane_jax import checkpoint
+    from asynclane_jax.testbed import evaluate as ev
+    from asynclane_jax.testbed import tasks
+
+    folder = checkpoint.resolve(name)
+    assert ER.has_routers(folder), f"{name} ships no routers"
+    model = aj.load(name)[0]
+    problems = tasks.heldout(8, "v4")
+    res = generate(model, ev.prompts_for(problems), sampler="eb", gen_length=512)
+    assert not res.stats.hit_step_cap
+    assert not (res.tokens == model.cfg.mask_token_id).any()
+    assert pathlib.Path(res.stats.options["routers"]).resolve() == pathlib.Path(folder).resolve()
+    assert ER.load_routers(folder).digest == res.stats.options["router_digest"]
+    assert sum(tasks.check(p, row) for p, row in zip(problems, res.tokens)) >= 6
+
+
 def test_missing_routers_are_reported(tiny_llada, tmp_path):
     _, prompts = _problems(1)
     with pytest.raises(SamplerError, match="no router weights"):
