@@ -4,8 +4,9 @@ Decodes the first long held-out problems (walk-down and table-down) of each stud
 with `d2f` at its defaults (up to 4 blocks in flight, a block added when the one before
 is 10% decoded) and with `max_active_blocks=1` (a block starts only once the one before
 is complete, so every block reads a fully decoded left context). For each wrong answer
-it records whether the first wrong working line has a wrong line label (the countdown
-`(n)`), and keeps the first wrong answer of each setting as an example.
+it records whether the first line that differs from the reference (free choices
+aside) has a wrong line label (the countdown `(n)`), and keeps the first wrong answer
+of each setting as an example.
 
   python experiments/d2f_long_answers.py --models tiny-llada-v4b-d2f,tiny-dream-v4-d2f
 
@@ -23,7 +24,8 @@ SETTINGS = {"defaults": {}, "one block in flight": {"max_active_blocks": 1}}
 
 
 def first_wrong_line(ref: list[str], got: list[str]):
-    """(reference line, generated line) of the first working line that differs, or None."""
+    """(reference line, generated line) of the first line that differs, free choices aside
+    (`tasks.normalise_line`; the answer line included), or None."""
     from asynclane_jax.testbed import tasks
 
     return next(((r, g) for r, g in zip(ref, got)
