@@ -18,7 +18,8 @@ from asynclane_jax.testbed import evaluate, tasks
 
 # AsyncLane with forking, lookahead and the cascade off, refreshing at every block start.
 AS_FAST_DLLM = dict(max_lanes=1, lookahead=0, extra_queries=0, cascade=False,
-                    refresh_at_advance=True, relaxed_threshold=0.9, horizon=0, renew=0)
+                    refresh_at_advance=True, threshold=0.9, relaxed_threshold=0.9, horizon=0,
+                    renew=0)
 # Forking at every newline of the shipped models' answers, with a full forward at each
 # fork (not the default: the defaults fork when the next call can re-encode the prefix).
 FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8, refresh_at_fork=True,

@@ -65,8 +65,11 @@ One iteration (per row):
 Defaults (experiments/results/asynclane.md): forking at newlines (one lane slot per 8
 generated positions, at least 16), a prefix forking only when the next call can
 re-encode it (fork_when_fresh, so no full forward at a fork), a full forward once the
-window has travelled a block (refresh_travel=32), no relaxation (relaxed_threshold =
-threshold), no lookahead, no horizon (the whole canvas is attended: on the long answers
+window has travelled a block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM
+publishes 0.9: on 500 held-out problems of both v4 testbed models at gen_length 512 the
+higher one rights math answers whose last result the first full forward commits wrongly
+at 0.95-0.97, at the same speed), no relaxation (relaxed_threshold = threshold), no
+lookahead, no horizon (the whole canvas is attended: on the long answers
 of tiny-llada-v4b a horizon of 96 cost about 30 points, for Fast-dLLM given it as much
 as for AsyncLane), and the cascade. Renewal calls (renew=256: the block before the
 window and the 256 positions after it re-encoded in a wide cached call instead of a
@@ -81,7 +84,8 @@ earlier releases.
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
 
-With one lane, no lookahead, no relaxation (relaxed_threshold = threshold), horizon 0,
+With Fast-dLLM's threshold (0.9, or any other both are given), one lane, no lookahead,
+no relaxation (relaxed_threshold = threshold), horizon 0,
 the cascade off, refresh_at_advance on and full forwards for refreshes (renew=0, or a
 canvas too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold
 sampler with a dual cache on LLaDA models (tests/test_asynclane.py checks it token for
@@ -709,8 +713,8 @@ class AsyncLaneSchedule(Schedule):
     stats_type = LaneStats
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "delimiter_ids")
     block_length: int = 32
-    threshold: float = 0.9
-    relaxed_threshold: float = 0.9
+    threshold: float = 0.95
+    relaxed_threshold: float = 0.95
     radius: int = 4
     lookahead: int = 0
     draft_threshold: float = 0.7
