@@ -74,9 +74,9 @@ of tiny-llada-v4b a horizon of 96 cost about 30 points, for Fast-dLLM given it a
 as for AsyncLane), and the cascade. Renewal calls (renew=256: the block before the
 window and the 256 positions after it re-encoded in a wide cached call instead of a
 full forward) are an option: on 500 held-out problems of tiny-llada-v4b at gen_length
-512, in one interleaved run, they are 1.21x faster (1664 against 1374 tokens/s) at the
-same overall accuracy (95.4% against 95.2%), but they move it between answer lengths:
-129-256 tokens 96.0% against 89.0%, more than 256 tokens 79.5% against 87.2% (vanilla:
+512, in one interleaved run, they are 1.20x faster (1688 against 1406 tokens/s) at the
+same overall accuracy (95.8% against 95.6%), but they move it between answer lengths:
+129-256 tokens 97.0% against 90.0%, more than 256 tokens 79.5% against 87.2% (vanilla:
 88.0% and 88.5%). The default keeps every length bucket within about a point of
 vanilla. max_lanes=1 turns the lanes off; horizon=96 gives the visible horizon of
 earlier releases.
