@@ -68,8 +68,8 @@ re-encode it (fork_when_fresh, so no full forward at a fork), a full forward onc
 window has travelled a block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM
 publishes 0.9: on 500 held-out problems of both v4 testbed models at gen_length 512 the
 higher one rights math answers whose final answer the first full forward commits
-wrongly between 0.9 and 0.95, at the same speed), no relaxation (relaxed_threshold = threshold), no
-lookahead, no horizon (the whole canvas is attended: on the long answers
+wrongly between 0.9 and 0.95, at the same speed), no relaxation (relaxed_threshold =
+threshold), no lookahead, no horizon (the whole canvas is attended: on the long answers
 of tiny-llada-v4b a horizon of 96 cost about 30 points, for Fast-dLLM given it as much
 as for AsyncLane), and the cascade. Renewal calls (renew=256: the block before the
 window and the 256 positions after it re-encoded in a wide cached call instead of a
