@@ -504,7 +504,9 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "- (b) early stop: the same with early_stop=true; they still attend to the "
               "whole canvas.",
               "- (c) equal footing: block baselines given AsyncLane's mid-block cascade "
-              "(cascade=true; the default specs add early_stop=true), the visible "
+              "(cascade=true; the default specs add early_stop=true and run each baseline "
+              "at its published threshold, 0.9, and at AsyncLane's, 0.95, keeping the "
+              "faster: `chosen options` names it), the visible "
               "horizon AsyncLane's row uses (none by default) and its renewal calls "
               "(none by default; with renew=256 the refreshes are renewals: the block "
               "before the window and the 256 positions after it are re-encoded in a "

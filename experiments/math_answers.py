@@ -30,13 +30,6 @@ import numpy as np
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
-def _value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def first_forward_confidence(model, prompt_ids, gen_length: int, bucket: int, k: int):
     """(confidence, predicted id) of the first full forward at generated position k."""
     from asynclane_jax.decoding.api import build_canvas
@@ -44,8 +37,8 @@ def first_forward_confidence(model, prompt_ids, gen_length: int, bucket: int, k:
     canvas, _, P = build_canvas([prompt_ids], gen_length, model.cfg, bucket)
     logits = model(jnp.asarray(canvas))
     logits = logits[0] if isinstance(logits, tuple) else logits
-    # Dream-style models predict column c at c - 1.
-    col = P + k - (1 if model.cfg.family == "dream" else 0)
+    # A logit-shifted model (Dream) predicts column c at c - 1, as the driver reads it.
+    col = P + k - (1 if model.cfg.logit_shift else 0)
     probs = jax.nn.softmax(logits[0, col].astype(jnp.float32))
     return float(probs.max()), int(probs.argmax())
 
@@ -59,30 +52,31 @@ def main() -> int:
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a sampler option (repeatable)")
     args = ap.parse_args()
-    options = {}
     for item in args.option:
-        key, eq, value = item.partition("=")
+        key, eq, _ = item.partition("=")
         if not eq or not key:
             ap.error(f"--option {item!r}: expected KEY=VALUE")
-        options[key] = _value(value)
 
     from tqdm import tqdm
 
     import asynclane_jax
     from asynclane_jax.decoding.api import generate
+    from asynclane_jax.decoding.registry import parse_options
     from asynclane_jax.testbed import evaluate, tasks
+
+    options = parse_options(args.option)
 
     model, tokenizer, _ = asynclane_jax.load(args.model)
     problems = tasks.split("heldout", args.n, tasks.model_task_set(args.model))
-    # The bench's prompt shape: the longest prompt of the n problems.
-    bucket = max(len(p) for p in evaluate.prompts_for(problems, tokenizer))
+    prompts = evaluate.prompts_for(problems, tokenizer)
+    bucket = max(len(ids) for ids in prompts)  # the bench's prompt shape: the longest
     maths = [(i, p) for i, p in enumerate(problems) if p.family == "math"]
     if not maths:
         print(f"no math problem among the first {args.n} held-out problems", file=sys.stderr)
         return 1
     records, wrong = [], []
     for i, p in tqdm(maths, unit="problem", file=sys.stderr):
-        ids = evaluate.prompts_for([p], tokenizer)[0]
+        ids = prompts[i]
         res = generate(model, [ids], sampler=args.sampler, gen_length=args.gen_length,
                        bucket=bucket, tokenizer=tokenizer, **options)
         want = tokenizer.encode(" " + p.response, add_special_tokens=False)
