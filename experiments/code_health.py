@@ -3,7 +3,7 @@ repeated code.
 
   (i)   the import graph of asynclane_jax/ and checkpoints_convert/ (read with `ast`,
         module-level and function-local imports: tests/import_graph.py, the builder
-        tests/test_layering.py uses): upward edges from the library core
+        tests/project/test_layering.py uses): upward edges from the library core
         (asynclane_jax.decoding, asynclane_jax.models) into the applications, and
         import cycles (strongly connected components of more than one module);
   (ii)  the 15 longest functions and methods of asynclane_jax/ and checkpoints_convert/

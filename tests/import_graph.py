@@ -1,5 +1,5 @@
 """The module import graph of the package, read from the source with `ast` (nothing is
-imported): used by tests/test_layering.py and experiments/code_health.py.
+imported): used by tests/project/test_layering.py and experiments/code_health.py.
 
 Every `import` and `from ... import` statement counts, at module level or inside a
 function (or under `if TYPE_CHECKING:`), and only edges between the tree's own modules

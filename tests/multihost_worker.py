@@ -1,4 +1,4 @@
-"""One host of a two-host decode on CPU (started twice by tests/test_sharding.py).
+"""One host of a two-host decode on CPU (started twice by tests/models/test_sharding.py).
 
 Usage: python tests/multihost_worker.py PROCESS_ID PORT MODEL SAMPLER MESH
 Each process has 4 fake CPU devices; jax.distributed joins them into one 8-device

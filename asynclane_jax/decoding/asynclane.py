@@ -88,7 +88,7 @@ With Fast-dLLM's threshold (0.9, or any other both are given), one lane, no look
 no relaxation (relaxed_threshold = threshold), horizon 0,
 the cascade off, refresh_at_advance on and full forwards for refreshes (renew=0, or a
 canvas too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold
-sampler with a dual cache on LLaDA models (tests/test_asynclane.py checks it token for
+sampler with a dual cache on LLaDA models (tests/decoding/asynclane/test_asynclane.py checks it token for
 token).
 """
 

@@ -21,7 +21,7 @@ stay the teacher's. At 0.4M parameters a low-rank adapter would save nothing wor
 having, while keeping the change to the projection kernels makes the student exactly a
 PEFT LoRA adapter over the teacher (rank = the kernels' smaller side), the form in which
 the published 8B students arrive (`asynclane-jax convert --lora`): the same converter
-path serves both (tests/test_distill.py round-trips it).
+path serves both (tests/testbed/test_distill.py round-trips it).
 """
 
 from __future__ import annotations

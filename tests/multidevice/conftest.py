@@ -1,5 +1,5 @@
 """Tests that need 8 devices: they run in their own pytest process, started by
-tests/test_sharding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the
+tests/models/test_sharding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8 (the
 flag must be set before JAX starts, so it cannot be set inside the main run).
 
 Collected only in a process that has the 8 devices; the main run starts that process

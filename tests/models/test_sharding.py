@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from asynclane_jax import sharding
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).resolve().parents[1]  # tests/
 
 
 @pytest.mark.sharding

@@ -15,7 +15,7 @@ import pathlib
 
 import import_graph
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _graph():

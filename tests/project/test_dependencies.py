@@ -3,7 +3,7 @@ that an upgrade which moves it fails here, naming what moved, rather than somewh
 
 * orbax: the shipped models are orbax checkpoints (its on-disk format), the one-device
   loader builds tensorstore specs with orbax's public `type_handlers`, and
-  tests/test_checkpoint_memory.py patches two private names in `orbax.checkpoint._src`.
+  tests/checkpoint/test_checkpoint_memory.py patches two private names in `orbax.checkpoint._src`.
 * safetensors: `checkpoints_convert.reader` parses safetensors files by hand (8-byte
   little-endian header length, JSON header, raw data) instead of through the package.
 
@@ -27,7 +27,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Distribution -> what is relied on, hence why it carries an upper bound.
 RELIED_ON = {
@@ -59,15 +59,15 @@ def test_relied_on_dependencies_are_pinned_and_installed_in_range():
         installed = Version(importlib.metadata.version(name))
         assert req.specifier.contains(installed, prereleases=True), (
             f"{name} {installed} is installed, outside pyproject.toml's {req.specifier}"
-            + (f": {RELIED_ON[name]} may have moved; rerun tests/test_dependencies.py, "
-               "tests/test_checkpoint_memory.py and tests/test_convert.py before widening "
+            + (f": {RELIED_ON[name]} may have moved; rerun tests/project/test_dependencies.py, "
+               "tests/checkpoint/test_checkpoint_memory.py and tests/checkpoint/test_convert.py before widening "
                "the pin" if name in RELIED_ON else ""))
 
 
 # --------------------------------------------------------------------------- orbax
 
 def test_orbax_private_names_the_tests_patch_still_exist():
-    """tests/test_checkpoint_memory.py monkeypatches these; a rename would make its
+    """tests/checkpoint/test_checkpoint_memory.py monkeypatches these; a rename would make its
     patch fail (or, for a module attribute, silently do nothing)."""
     moved = []
     for module, attr in (("orbax.checkpoint._src.serialization.limits", "reserved_bytes"),
@@ -80,7 +80,7 @@ def test_orbax_private_names_the_tests_patch_still_exist():
             continue
         if not hasattr(mod, attr):
             moved.append(f"{module}.{attr}")
-    assert not moved, ("orbax private names used by tests/test_checkpoint_memory.py moved: "
+    assert not moved, ("orbax private names used by tests/checkpoint/test_checkpoint_memory.py moved: "
                        + "; ".join(moved) + f" (orbax-checkpoint "
                        f"{importlib.metadata.version('orbax-checkpoint')})")
 
@@ -98,7 +98,7 @@ def test_orbax_target_file_size_patch_takes_effect(tmp_path, monkeypatch):
         meta = c.metadata((tmp_path / "p").absolute()).item_metadata.tree
     assert tuple(meta["w"].storage.chunk_shape) != x.shape, (
         "orbax no longer reads tensorstore_utils._DEFAULT_OCDBT_TARGET_DATA_FILE_SIZE when "
-        "it chunks an array: tests/test_checkpoint_memory.py::"
+        "it chunks an array: tests/checkpoint/test_checkpoint_memory.py::"
         "test_large_array_saved_as_one_chunk would pass without testing anything")
 
 
