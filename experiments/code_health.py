@@ -10,7 +10,11 @@ repeated code.
         (lines from `def` to the last line of the body, decorators not counted);
   (iii) the pairs of places the `duplicates` command reports in each of asynclane_jax/,
         checkpoints_convert/, tests/ and experiments/ (run on each folder alone, so
-        pairs across folders are not counted; its default six shared lines).
+        pairs across folders are not counted; its default six shared lines);
+  (iv)  sizes: functions over LONG_FUNCTION lines, modules over LONG_MODULE lines, the
+        installed package (the files a wheel built from the tree holds, uncompressed;
+        `--no-wheel` skips the build), and the number of files in tests/, experiments/
+        and experiments/results/.
 
 Usage:
   python experiments/code_health.py                      # this tree, printed
@@ -38,6 +42,8 @@ import import_graph  # noqa: E402  (tests/import_graph.py)
 FUNCTION_TREES = ("asynclane_jax", "checkpoints_convert")
 DUPLICATE_TREES = ("asynclane_jax", "checkpoints_convert", "tests", "experiments")
 N_LONGEST = 15
+LONG_FUNCTION = 80
+LONG_MODULE = 600
 
 
 def _functions(node: ast.AST, rel: str, prefix: str = ""):
@@ -65,6 +71,56 @@ def longest_functions(root: pathlib.Path, n: int = N_LONGEST) -> list[tuple[int,
     return sorted(found, key=lambda f: (-f[0], f[1]))[:n]
 
 
+def all_functions(root: pathlib.Path) -> list[tuple[int, str, str]]:
+    """(lines, "file:line", qualified name) of every function, longest first."""
+    return longest_functions(root, n=10**9)
+
+
+def long_modules(root: pathlib.Path, limit: int = LONG_MODULE) -> list[tuple[int, str]]:
+    """(lines, path) of the modules of FUNCTION_TREES over `limit` lines, longest first."""
+    found = []
+    for tree_name in FUNCTION_TREES:
+        for path in (root / tree_name).rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                n = len(path.read_text().splitlines())
+                if n > limit:
+                    found.append((n, path.relative_to(root).as_posix()))
+    return sorted(found, reverse=True)
+
+
+def installed_size(root: pathlib.Path) -> tuple[int, int] | None:
+    """(files, bytes uncompressed) of a wheel built from the tree: what `pip install`
+    puts in site-packages (the dist-info included); None when the build fails."""
+    import tempfile
+    import zipfile
+
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                               "-w", out, str(root)], capture_output=True, text=True,
+                              check=False)
+        wheels = list(pathlib.Path(out).glob("*.whl"))
+        if proc.returncode != 0 or len(wheels) != 1:
+            return None
+        with zipfile.ZipFile(wheels[0]) as z:
+            infos = [i for i in z.infolist() if not i.is_dir()]
+            return len(infos), sum(i.file_size for i in infos)
+
+
+def file_counts(root: pathlib.Path) -> dict[str, int]:
+    """Files tracked by git (or on disk, outside a checkout) under a few folders."""
+    counts = {}
+    for folder, pattern in (("tests", "test_*.py"), ("experiments", "*.py"),
+                            ("experiments/results", "*")):
+        base = root / folder
+        if folder == "experiments":
+            files = [p for p in base.glob(pattern)]
+        else:
+            files = [p for p in base.rglob(pattern) if p.is_file()
+                     and "__pycache__" not in p.parts]
+        counts[folder] = len(files)
+    return counts
+
+
 def duplicates(folder: pathlib.Path) -> dict:
     """The `duplicates` command's pair count and rows for one folder."""
     exe = shutil.which("duplicates")
@@ -81,7 +137,7 @@ def duplicates(folder: pathlib.Path) -> dict:
     return {"pairs": pairs, "rows": rows, "notes": notes, "head": head}
 
 
-def report(root: pathlib.Path) -> str:
+def report(root: pathlib.Path, wheel: bool = True) -> str:
     modules, edges = import_graph.build(root)
     upward = import_graph.upward_edges(edges)
     cycles = import_graph.strongly_connected(modules, edges)
@@ -94,6 +150,10 @@ def report(root: pathlib.Path) -> str:
                            capture_output=True, text=True, check=False).stdout.strip()
 
     total = sum(d["pairs"] or 0 for d in dups.values())
+    over = [f for f in all_functions(root) if f[0] > LONG_FUNCTION]
+    big = long_modules(root)
+    size = installed_size(root) if wheel else None
+    counts = file_counts(root)
     out = ["# Code health", "",
            f"Tree: `{root}` at {rev or '(not a git checkout)'}"
            + (" with uncommitted changes" if dirty else "") + ".",
@@ -108,6 +168,16 @@ def report(root: pathlib.Path) -> str:
            f"| duplicate pairs, all folders | {total} |"]
     out += [f"| duplicate pairs, {t}/ | {d['pairs'] if d['pairs'] is not None else '?'} |"
             for t, d in dups.items()]
+    out += [f"| functions over {LONG_FUNCTION} lines | {len(over)} |",
+            f"| modules over {LONG_MODULE} lines | {len(big)} |",
+            "| installed package (files, MB uncompressed) | "
+            + (f"{size[0]}, {size[1] / 1e6:.1f} |" if size else "not measured |")]
+    out += [f"| files: {k} | {v} |" for k, v in counts.items()]
+    out += ["", f"Functions over {LONG_FUNCTION} lines: "
+            + (", ".join(f"`{name}` ({n}, `{where}`)" for n, where, name in over) or "none")
+            + ".", "",
+            f"Modules over {LONG_MODULE} lines: "
+            + (", ".join(f"`{path}` ({n})" for n, path in big) or "none") + "."]
 
     out += ["", "## Import graph", "",
             "Upward edges: a module of " + ", ".join(f"`{c}`" for c in import_graph.CORE)
@@ -143,11 +213,13 @@ def main(argv=None) -> None:
                     const=REPO / "experiments" / "results" / "code_health.md",
                     help="also write the report (default path: "
                          "experiments/results/code_health.md of this checkout)")
+    ap.add_argument("--no-wheel", action="store_true",
+                    help="skip building a wheel to measure the installed package")
     args = ap.parse_args(argv)
     root = args.root.resolve()
     if not (root / "asynclane_jax").is_dir():
         ap.error(f"--root {root}: no asynclane_jax/ folder there")
-    text = report(root)
+    text = report(root, wheel=not args.no_wheel)
     print(text, end="")
     if args.write:
         args.write.parent.mkdir(parents=True, exist_ok=True)
