@@ -62,24 +62,28 @@ One iteration (per row):
      A refine lane with no masks left is done. A row is finished when no generated
      position is masked.
 
-Defaults (experiments/results/asynclane.md): forking at newlines (one lane slot per 8
+Defaults (why each, with the measurements: experiments/results/asynclane.md; the
+current benches: experiments/results/bench_tiny-llada-v4b.md and
+experiments/results/bench_tiny-dream-v4.md): forking at newlines (one lane slot per 8
 generated positions, at least 16), a prefix forking only when the next call can
 re-encode it (fork_when_fresh, so no full forward at a fork), a full forward once the
 window has travelled a block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM
-publishes 0.9: on 500 held-out problems of both v4 testbed models at gen_length 512 the
-higher one rights math answers whose final answer the first full forward commits
-wrongly between 0.9 and 0.95, at the same speed), no relaxation (relaxed_threshold =
-threshold), no lookahead, no horizon (the whole canvas is attended: on the long answers
-of tiny-llada-v4b a horizon of 96 cost about 30 points, for Fast-dLLM given it as much
-as for AsyncLane), and the cascade. Renewal calls (renew=256: the block before the
-window and the 256 positions after it re-encoded in a wide cached call instead of a
-full forward) are an option: on 500 held-out problems of tiny-llada-v4b at gen_length
-512, in one interleaved run, they are 1.20x faster (1688 against 1406 tokens/s) at the
-same overall accuracy (95.8% against 95.6%), but they move it between answer lengths:
-129-256 tokens 97.0% against 90.0%, more than 256 tokens 79.5% against 87.2% (vanilla:
-88.0% and 88.5%). The default keeps every length bucket within about a point of
-vanilla. max_lanes=1 turns the lanes off; horizon=96 gives the visible horizon of
-earlier releases.
+publishes 0.9: on both v4 testbed models at gen_length 512 the higher one rights math
+answers whose final answer the first full forward commits wrongly between 0.9 and
+0.95, at the same speed; experiments/results/bench_tiny-llada-v4b_threshold.md and
+experiments/results/bench_tiny-dream-v4_threshold.md), no relaxation
+(relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is
+attended: on the long answers of tiny-llada-v4b a horizon of 96 loses many of them,
+for Fast-dLLM given it as much as for AsyncLane; experiments/results/asynclane.md,
+"Why the horizon breaks long answers"), and the cascade. Renewal calls (renew=256: the
+block before the window and the 256 positions after it re-encoded in a wide cached
+call instead of a full forward) are an option: on tiny-llada-v4b at gen_length 512
+they are faster at the same overall accuracy, but they move accuracy between answer
+lengths: answers of 129-256 tokens gain, and answers longer than 256 tokens lose,
+falling well under vanilla's (experiments/results/bench_tiny-llada-v4b.md, rows
+`asynclane` and `asynclane:renew=256`; experiments/results/asynclane.md, "Renewals off
+by default"). The default keeps every length bucket close to vanilla's. max_lanes=1
+turns the lanes off; horizon=96 gives the visible horizon of earlier releases.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
@@ -88,8 +92,8 @@ With Fast-dLLM's threshold (0.9, or any other both are given), one lane, no look
 no relaxation (relaxed_threshold = threshold), horizon 0,
 the cascade off, refresh_at_advance on and full forwards for refreshes (renew=0, or a
 canvas too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold
-sampler with a dual cache on LLaDA models (tests/decoding/asynclane/test_asynclane.py checks it token for
-token).
+sampler with a dual cache on LLaDA models (tests/decoding/asynclane/test_asynclane.py
+checks it token for token).
 """
 
 from __future__ import annotations
@@ -696,9 +700,10 @@ class AsyncLaneSchedule(Schedule):
         near the window is renewed at the cost of a wider cached call. The canvas
         further on keeps the K/V of the last full forward. Where the renewal call
         would be at least as wide as the canvas, the full forwards stay (renew=256 at
-        gen_length 256); so they do with a horizon. renew=256 is 1.21x faster at
-        gen_length 512 on tiny-llada-v4b and costs its answers longer than 256 tokens
-        7.7 points (module docstring).
+        gen_length 256); so they do with a horizon. renew=256 is faster at
+        gen_length 512 on tiny-llada-v4b at the same overall accuracy, but less
+        accurate on its answers longer than 256 tokens (module docstring;
+        experiments/results/bench_tiny-llada-v4b.md).
       renew_back: positions before the window that a renewal call re-encodes.
       renew_prompt: a renewal call also re-encodes the prompt.
       full_travel: with renew, a full forward once the window has moved this many

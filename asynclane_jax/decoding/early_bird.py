@@ -19,8 +19,9 @@ setting); the schedule reads the logits of every generated position. Per row:
      them) the LPS router reads five features (top-1 probability, normalised entropy,
      top-1 minus top-2 probability, the block's masked share, relative place in the
      block) and gives p_psi. A position commits its top-1 when its probability is at
-     least `threshold` (0.9) or p_psi > tau_psi (stored with the routers: chosen on a
-     validation split at <= 1% false positives); when none does, the most confident
+     least `threshold` (0.9) or p_psi > tau_psi (stored with the routers: the smallest
+     tau_psi at which at most max_fpr, 0.01, of a validation split's negatives pass;
+     testbed/routers.py, `choose_tau`); when none does, the most confident
      one commits. p_psi decides only positions below the threshold, so the router is
      not run in a call where no block position is below it.
   3. The row is done when no generated position is masked.
