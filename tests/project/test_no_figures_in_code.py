@@ -56,7 +56,10 @@ def _strings(node: ast.AST):
 
 
 def _texts(tree: ast.Module):
-    """(line, kind, text) of each docstring and each help/description/epilog string."""
+    """(line, kind, text) of each docstring and each help/description/epilog string
+    (a module-level constant named there, `description=DESCRIPTION`, is read too)."""
+    constants = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                 for target in node.targets if isinstance(target, ast.Name)}
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
                              ast.AsyncFunctionDef)):
@@ -68,7 +71,10 @@ def _texts(tree: ast.Module):
         elif isinstance(node, ast.Call):
             for kw in node.keywords:
                 if kw.arg in HELP_KEYWORDS:
-                    for line, text in _strings(kw.value):
+                    value = kw.value
+                    if isinstance(value, ast.Name) and value.id in constants:
+                        value = constants[value.id]
+                    for line, text in _strings(value):
                         yield line, f"{kw.arg}=", text
 
 
