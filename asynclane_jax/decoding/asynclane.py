@@ -62,28 +62,28 @@ One iteration (per row):
      A refine lane with no masks left is done. A row is finished when no generated
      position is masked.
 
-Defaults (why each, with the measurements: experiments/results/asynclane.md; the
-current benches: experiments/results/bench_tiny-llada-v4b.md and
-experiments/results/bench_tiny-dream-v4.md): forking at newlines (one lane slot per 8
-generated positions, at least 16), a prefix forking only when the next call can
+Defaults (why each, with the measurements: experiments/results/asynclane/README.md; the
+current benches: experiments/results/bench/bench_tiny-llada-v4b.md and
+experiments/results/bench/bench_tiny-dream-v4.md): forking at newlines (one lane slot
+per 8 generated positions, at least 16), a prefix forking only when the next call can
 re-encode it (fork_when_fresh, so no full forward at a fork), a full forward once the
 window has travelled a block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM
 publishes 0.9: on both v4 testbed models at gen_length 512 the higher one rights math
-answers whose final answer the first full forward commits wrongly between 0.9 and
-0.95, at the same speed; experiments/results/bench_tiny-llada-v4b_threshold.md and
-experiments/results/bench_tiny-dream-v4_threshold.md), no relaxation
-(relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is
-attended: on the long answers of tiny-llada-v4b a horizon of 96 loses many of them,
-for Fast-dLLM given it as much as for AsyncLane; experiments/results/asynclane.md,
-"Why the horizon breaks long answers"), and the cascade. Renewal calls (renew=256: the
-block before the window and the 256 positions after it re-encoded in a wide cached
-call instead of a full forward) are an option: on tiny-llada-v4b at gen_length 512
-they are faster at the same overall accuracy, but they move accuracy between answer
-lengths: answers of 129-256 tokens gain, and answers longer than 256 tokens lose,
-falling well under vanilla's (experiments/results/bench_tiny-llada-v4b.md, rows
-`asynclane` and `asynclane:renew=256`; experiments/results/asynclane.md, "Renewals off
-by default"). The default keeps every length bucket close to vanilla's. max_lanes=1
-turns the lanes off; horizon=96 gives the visible horizon of earlier releases.
+answers whose final answer the first full forward commits wrongly between 0.9 and 0.95,
+at the same speed; experiments/results/bench/bench_tiny-llada-v4b_threshold.md and
+experiments/results/bench/bench_tiny-dream-v4_threshold.md), no relaxation
+(relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is attended:
+on the long answers of tiny-llada-v4b a horizon of 96 loses many of them, for Fast-dLLM
+given it as much as for AsyncLane; experiments/results/asynclane/README.md, "Why the
+horizon breaks long answers"), and the cascade. Renewal calls (renew=256: the block
+before the window and the 256 positions after it re-encoded in a wide cached call
+instead of a full forward) are an option: on tiny-llada-v4b at gen_length 512 they are
+faster at the same overall accuracy, but they move accuracy between answer lengths:
+answers of 129-256 tokens gain, and answers longer than 256 tokens lose, falling well
+under vanilla's (experiments/results/bench/bench_tiny-llada-v4b.md, rows `asynclane` and
+`asynclane:renew=256`; experiments/results/asynclane/README.md, "Renewals off by
+default"). The default keeps every length bucket close to vanilla's. max_lanes=1 turns
+the lanes off; horizon=96 gives the visible horizon of earlier releases.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
@@ -703,7 +703,7 @@ class AsyncLaneSchedule(Schedule):
         gen_length 256); so they do with a horizon. renew=256 is faster at
         gen_length 512 on tiny-llada-v4b at the same overall accuracy, but less
         accurate on its answers longer than 256 tokens (module docstring;
-        experiments/results/bench_tiny-llada-v4b.md).
+        experiments/results/bench/bench_tiny-llada-v4b.md).
       renew_back: positions before the window that a renewal call re-encodes.
       renew_prompt: a renewal call also re-encodes the prompt.
       full_travel: with renew, a full forward once the window has moved this many
