@@ -717,6 +717,9 @@ class AsyncLaneSchedule(Schedule):
     name = "asynclane"
     stats_type = LaneStats
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "delimiter_ids")
+    # The bench: the sampler under study; its rows meet the baselines of its footing.
+    under_study: ClassVar[bool] = True
+    footing_options: ClassVar[tuple[str, ...]] = ("cascade", "horizon", "renew")
     block_length: int = 32
     threshold: float = 0.95
     relaxed_threshold: float = 0.95

@@ -110,6 +110,9 @@ class BlockSchedule(Schedule):
     # With a logit-shifted model (Dream), the block-start step commits exactly the
     # block's first column by argmax (Fast-dLLM's Dream block decoding); see above.
     shift_commits_block_start: ClassVar[bool] = False
+    # The bench (Schedule): all four footing options; the faster cache by default.
+    footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade", "horizon", "renew")
+    bench_defaults: ClassVar[tuple[str, ...]] = ("cache=prefix|dual",)
     block_length: int | None = None
     cache: str = "none"
     early_stop: bool = False
@@ -338,6 +341,8 @@ class FixedStepsSchedule(BlockSchedule):
 
     # No cache, so no visible horizon: not an option of these samplers (it stays 0).
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "horizon", "renew")
+    footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade")
+    bench_defaults: ClassVar[tuple[str, ...]] = ()
     steps: int | None = None
 
     def __post_init__(self):

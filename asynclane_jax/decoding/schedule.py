@@ -133,6 +133,15 @@ class Schedule:
     stats_type: ClassVar[type[DecodeStats]] = DecodeStats
     # Fields that `from_options` fills and callers do not pass as sampler options.
     structural: ClassVar[tuple[str, ...]] = ("gen_length",)
+    # What the bench reads (asynclane_jax.bench.compare): the options of this sampler
+    # that set its footing, each named by its role (early_stop, cascade, horizon,
+    # renew; none: the sampler is compared as published), and whether it is the
+    # sampler under study, whose rows are compared with the baselines'.
+    footing_options: ClassVar[tuple[str, ...]] = ()
+    under_study: ClassVar[bool] = False
+    # `key=value` options a bench spec of this sampler gets when it names none; `a|b`
+    # runs both and reports the faster (asynclane_jax.bench.spec).
+    bench_defaults: ClassVar[tuple[str, ...]] = ()
     gen_length: int
 
     def __post_init__(self):
