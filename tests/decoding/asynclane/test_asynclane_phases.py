@@ -343,6 +343,50 @@ def test_fork_of_a_finished_prefix_and_an_earlier_stable_delimiter():
     eq(st.win, [2])
 
 
+def test_fork_rule_boundaries_are_inclusive():
+    """Each limit of the fork rule admits a prefix that meets it exactly: at most
+    refine_window masks, at least stable_fraction committed, masks plus stale positions
+    at most query_slots, and a delimiter at the window's first position. One past each
+    limit, the same prefix does not fork."""
+    ctx = context(12)
+    serve = jnp.asarray([True])
+    # One delimiter, at 3: the prefix [0, 3] holds 2 masks and is 2/4 = 0.5 committed.
+    new = arr([[1, X, X, NL, 4, 6, 7, 8, X, X, X, X]])
+
+    def forks(**over):
+        st, fork = fork_phase(ctx, new, fork_lanes(), arr([12]), serve, **{**FORK, **over})
+        return bool(fork[0]), st
+
+    # refine_window: exactly 2 masks fork at refine_window 2, not at 1.
+    ok, st = forks(refine_window=2, stable_fraction=0.25)
+    assert ok
+    eq(st.kind, [[REFINE, GENERATE, FREE]])
+    eq(st.end, [[4, 0, 0]])
+    eq(st.start, [[0, 4, 0]])
+    eq(st.win, [4])
+    assert not forks(refine_window=1, stable_fraction=0.25)[0]
+    # stable_fraction: exactly half committed forks at 0.5, not at 0.51.
+    assert forks(refine_window=4, stable_fraction=0.5)[0]
+    assert not forks(refine_window=4, stable_fraction=0.51)[0]
+    # Both limits met exactly at once.
+    assert forks(refine_window=2, stable_fraction=0.5)[0]
+    # query_slots: nothing in the window is fresh, so the prefix's 2 committed positions
+    # (0 and the delimiter) are stale: 2 masks + 2 stale = 4 fit 4 slots, not 3.
+    stale = jnp.zeros((1, 12), bool)
+    assert forks(refine_window=4, stable_fraction=0.5, fresh=stale, query_slots=4)[0]
+    assert not forks(refine_window=4, stable_fraction=0.5, fresh=stale, query_slots=3)[0]
+    fresh0 = stale.at[0, 0].set(True)  # position 0 fresh: 2 + 1 = 3 fit 3
+    assert forks(refine_window=4, stable_fraction=0.5, fresh=fresh0, query_slots=3)[0]
+    # A delimiter at the window's first position forks: d = 0, a finished prefix [0, 1).
+    first = arr([[NL, X, X, 3, 4, 6, 7, 8, X, X, X, X]])
+    st, fork = fork_phase(ctx, first, fork_lanes(), arr([12]), serve, **FORK)
+    eq(fork, [True])
+    eq(st.kind, [[DONE, GENERATE, FREE]])
+    eq(st.end, [[1, 0, 0]])
+    eq(st.start, [[0, 1, 0]])
+    eq(st.death, [[5, -1, -1]])
+
+
 def test_no_fork_without_a_slot_a_position_after_it_or_service():
     ctx = context(12)
     new = arr([[1, 2, NL, 3, 4, 8, 6, 7, X, X, X, X]])
