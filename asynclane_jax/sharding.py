@@ -17,7 +17,7 @@ The table is adapted to a model and a mesh by `rules_for`:
     heads do not, the queries are split and K/V replicated. Splitting inside a head
     (what a plain name-to-axis table does to a fused [d, heads * head_dim] kernel) costs
     hundreds of all-to-alls per decode step; measured in
-    experiments/results/memory-8b.md;
+    experiments/results/compile/memory-8b.md;
   * any other dimension the mesh axes do not divide (a 159-token vocabulary on 8 chips)
     is replicated rather than refused.
 

@@ -36,7 +36,7 @@ import sys
 
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "asynclane"
 # AsyncLane's defaults changed (forking, fork_when_fresh, refresh_travel=32, no
 # relaxation, no horizon); results saved before that with `asynclane` and no option
 # used the old ones, which OLD_DEFAULTS spells out.
@@ -238,6 +238,7 @@ def main() -> int:
                           f"{r['wrong_length']} / {r['wrong_value']}"]))
     out = pathlib.Path(args.out or RESULTS / f"asynclane_forking_{pathlib.Path(args.model).name}"
                        f"_{G}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows,
                                "problems": {v[0]: recs[k] for k, v in enumerate(variants)}},
                               indent=1) + "\n")

@@ -3,7 +3,7 @@ cached calls of Q queries, with all T keys or only the first K (`forward(key_len
 
 The samplers' speed follows from these costs: a full forward costs many cached calls,
 and a cached call's cost grows with its query count and with the keys it reads. Results
-are printed and written to experiments/results/call_cost.{md,json}.
+are printed and written to experiments/results/decode/call_cost.{md,json}.
 
 Usage: python experiments/call_cost.py [--model tiny-llada] [--prompt 64]
        [--gen-lengths 128,256,512] [--batch 1]
@@ -24,7 +24,7 @@ from flax import nnx
 import asynclane_jax
 from asynclane_jax.models.model import KVCache
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "decode"
 QUERIES = (8, 36, 64, 160)
 
 
@@ -81,7 +81,7 @@ def main():
         print(json.dumps(row), flush=True)
     meta = {"model": args.model, "prompt": P, "batch": b, "keys": P + args.keys,
             "backend": jax.default_backend(), "machine": platform.machine()}
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "call_cost.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     head = ["gen_length", "T", "full forward"] + [
         f"Q={Q}, {'all T keys' if k == 'all' else f'first {P + args.keys} keys'}"

@@ -18,10 +18,10 @@ repeated code.
 
 Usage:
   python experiments/code_health.py                      # this tree, printed
-  python experiments/code_health.py --write              # and experiments/results/code_health.md
+  python experiments/code_health.py --write     # and experiments/results/health/code_health.md
   git worktree add /tmp/before REV
   python experiments/code_health.py --root /tmp/before \\
-      --write experiments/results/code_health_before.md
+      --write experiments/results/health/code_health_before.md
 """
 
 from __future__ import annotations
@@ -210,9 +210,9 @@ def main(argv=None) -> None:
     ap.add_argument("--root", type=pathlib.Path, default=REPO,
                     help="the source tree to read (default: this checkout)")
     ap.add_argument("--write", nargs="?", type=pathlib.Path, metavar="PATH",
-                    const=REPO / "experiments" / "results" / "code_health.md",
+                    const=REPO / "experiments" / "results" / "health" / "code_health.md",
                     help="also write the report (default path: "
-                         "experiments/results/code_health.md of this checkout)")
+                         "experiments/results/health/code_health.md of this checkout)")
     ap.add_argument("--no-wheel", action="store_true",
                     help="skip building a wheel to measure the installed package")
     args = ap.parse_args(argv)

@@ -5,7 +5,7 @@ ShapeDtypeStructs), one sampler, batch b, prompt bucket P, gen_length G. The dec
 compiled ahead of time for this machine's backend (on a CPU-only machine, the CPU), and
 the compiled program's own `memory_analysis()` is reported: arguments (the weights),
 output, and the temporaries the program needs on top (the K/V cache and what the loop
-copies of it). Results are printed and appended to experiments/results/compile_8b.json.
+copies of it). Results are printed and appended to experiments/results/compile/compile_8b.json.
 
 With `--tpu v6e:1x1` (needs `jax[tpu]` of the JAX version in use; no TPU is needed) the
 real TPU compiler builds the program for one chip of that topology. The CPU backend has
@@ -13,7 +13,7 @@ no bfloat16 matmul and upcasts every weight to float32 inside the program, so it
 temporaries (about twice the weights) say little about a TPU's; the TPU compile is the
 one to read for memory. For a slice of several chips under a sharding plan, and to
 know whether it fits, use `asynclane-jax aot` (asynclane_jax/aot.py; the 8B rows are in
-experiments/results/memory-8b.md, made by experiments/memory_8b.py).
+experiments/results/compile/memory-8b.md, made by experiments/memory_8b.py).
 
 Usage: python experiments/compile_8b.py [--preset llada-8b-instruct] [--batch 8]
        [--gen-length 256] [--prompt 128] [--sampler fast-dllm] [--option cache=dual]
@@ -38,7 +38,7 @@ from asynclane_jax.decoding.api import make_schedule
 from asynclane_jax.decoding.registry import parse_options
 from asynclane_jax.models import abstract_model, preset
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "compile"
 
 
 def _tpu_sharding(topology: str):
@@ -105,7 +105,7 @@ def main():
           f"{row['compile_s']:.1f}s, temporaries {row['temp_bytes'] / gib:.2f} GiB "
           f"(K/V cache {row['kv_cache_bytes'] / gib:.2f} GiB), weights "
           f"{row['argument_bytes'] / gib:.2f} GiB, output {row['output_bytes'] / gib:.3f} GiB")
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "compile_8b.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(rows + [row], indent=1) + "\n")

@@ -5,7 +5,7 @@ For each sampler, two fresh processes run `asynclane-jax generate --json
 --compile-cache DIR` on the same prompt (tiny-llada by default); the first fills an
 empty DIR, the second finds its program there. Reported: each process's
 `stats.compile_time` (tracing + lowering + compiling, or loading) and the ratio
-second / first. Writes experiments/results/compile_cache.md with --write.
+second / first. Writes experiments/results/compile/compile_cache.md with --write.
 
     python experiments/compile_cache.py [--model tiny-llada] [--gen-length 256] [--write]
 """
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "compile"
 PROMPT = "ann has 7 coins . (1) finds 2 (2) loses 5 (3) buys 4 (4) eats 1 . how many coins ?"
 
 
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     lines += [f"| {r['sampler']} | {r['first_s']:.2f} | {r['second_s']:.2f} | "
               f"{r['ratio']:.2f} | {r['cache_entries']} |" for r in rows]
     if args.write:
-        RESULTS.mkdir(exist_ok=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "compile_cache.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -2,7 +2,7 @@
 
 Each picture (asynclane_jax.decoding.trace) shows, for the prompt's generated
 positions, the iteration at which each was committed, with the blocks (block samplers)
-or lanes (AsyncLane) outlined. Written to experiments/results/decode_order_<sampler>.png.
+or lanes (AsyncLane) outlined. Written to experiments/results/asynclane/decode_order_<sampler>.png.
 
 The problem is a held-out problem of the model's own task set; the generation length
 defaults to the one that task set needs (tasks.default_gen_length).
@@ -21,7 +21,7 @@ from asynclane_jax.decoding.trace import save_decode_order
 from asynclane_jax.generate_cli import DEFAULT_MODEL
 from asynclane_jax.testbed import evaluate, tasks
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "asynclane"
 SAMPLERS = {
     "vanilla": ("vanilla", {}),
     "fast-dllm": ("fast-dllm", {"cache": "dual"}),
@@ -44,7 +44,7 @@ def main():
     args.gen_length = args.gen_length or tasks.default_gen_length(task_set)
     problem = tasks.split("heldout", args.problem + 1, task_set)[args.problem]
     prompt = evaluate.prompts_for([problem], tokenizer)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     for label, (sampler, opts) in SAMPLERS.items():
         res = asynclane_jax.generate(model, prompt, sampler=sampler,
                                      gen_length=args.gen_length, tokenizer=tokenizer, **opts)

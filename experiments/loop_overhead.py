@@ -6,7 +6,7 @@
 
 Same model, prompts, sampler and tokens in all three (checked). Steady-state times
 exclude compilation (each variant runs once to warm up). Results are printed and written
-to experiments/results/loop_overhead.{md,json}.
+to experiments/results/decode/loop_overhead.{md,json}.
 
 Usage: python experiments/loop_overhead.py [--model tiny-llada] [--gen-length 64]
 """
@@ -27,7 +27,7 @@ from flax import nnx
 from asynclane_jax.decoding import driver
 from asynclane_jax.decoding.api import build_canvas, make_schedule
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "decode"
 
 
 def _model(name: str):
@@ -120,7 +120,7 @@ def main():
         nnx.state(model, nnx.Param)))), "gen_length": args.gen_length,
         "block_length": args.block_length, "batch": args.batch,
         "backend": jax.default_backend(), "cpu": platform.processor() or platform.machine()}
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "loop_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                            indent=2))
     lines = [

@@ -1,6 +1,6 @@
 """Per-chip memory of the 8B decodes on TPU slices, from `asynclane-jax aot` (no TPU, no
 weights; needs the tpu extra), and the head-placement comparison behind
-asynclane_jax.sharding's "whole heads" rule. Results: experiments/results/memory-8b.md.
+asynclane_jax.sharding's "whole heads" rule. Results: experiments/results/compile/memory-8b.md.
 
   python experiments/memory_8b.py rows  --out rows.jsonl [--only v5e] [--limit N]
       runs `asynclane-jax aot ... --json` for each row of ROWS (most important first)
@@ -15,7 +15,7 @@ asynclane_jax.sharding's "whole heads" rule. Results: experiments/results/memory
   python experiments/memory_8b.py layers-table --rows layers.jsonl
       the markdown table of the layout comparison (scanned / unrolled ratios);
   python experiments/memory_8b.py table --rows rows.jsonl --heads heads.jsonl
-      markdown tables for the results page, and experiments/results/memory-8b.json.
+      markdown tables for the results page, and experiments/results/compile/memory-8b.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "compile"
 GIB = 2 ** 30
 SAMPLERS = {"asynclane": [], "fast-dllm": ["cache=dual"]}
 MODELS = ("llada-8b-instruct", "dream-7b-instruct")
@@ -301,7 +301,7 @@ def cmd_table(args) -> None:
                   f"{_gib(r['temp_bytes'])} | {_gib(r['peak_bytes'])} | "
                   f"{r['compile_s']:.0f} | `{r['command']}` |")
     if args.write:
-        RESULTS.mkdir(exist_ok=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "memory-8b.json").write_text(
             json.dumps({"rows": rows, "heads": heads}, indent=1) + "\n")
 
@@ -339,7 +339,7 @@ def main():
     p.add_argument("--rows", default=None)
     p.add_argument("--heads", default=None)
     p.add_argument("--write", action="store_true",
-                   help="also write experiments/results/memory-8b.json")
+                   help="also write experiments/results/compile/memory-8b.json")
     p.set_defaults(func=cmd_table)
     args = ap.parse_args()
     args.func(args)

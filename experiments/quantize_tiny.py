@@ -1,7 +1,7 @@
 """int8 weight-only quantization against full precision on the tiny models, per sampler.
 
     python experiments/quantize_tiny.py --n 200 --gen-length 128 \\
-        --out experiments/results/quantize_tiny.json
+        --out experiments/results/checkpoint/quantize_tiny.json
 
 For each model (tiny-llada, tiny-dream) and sampler, the first n held-out problems are
 decoded twice with the same prompts, seed and options: once by the model as stored
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--gen-length", type=int, default=128)
     p.add_argument("--batch", type=int, default=100)
-    p.add_argument("--out", default="experiments/results/quantize_tiny.json")
+    p.add_argument("--out", default="experiments/results/checkpoint/quantize_tiny.json")
     args = p.parse_args(argv)
     meta = {"command": "python experiments/quantize_tiny.py " + " ".join(
                 sys.argv[1:] if argv is None else argv),

@@ -14,7 +14,7 @@ loop over that many rows).
 Every streamed answer is checked against the baseline's text for its prompt.
 
 requests/s and tokens/s are over the wall time of a run; tokens are the completion
-tokens (before end-of-text). Results: experiments/results/serve.md and serve.json, with
+tokens (before end-of-text). Results: experiments/results/serve/serve.md and serve.json, with
 the command that made them.
 
 Usage: python experiments/serve_load.py [--model tiny-llada] [--slots 8]
@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "serve"
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@
 Trains for a wall-clock budget (or a step count), evaluates the student on held-out
 problems with the d2f sampler, writes it as a shipped model folder
 (asynclane_jax/testbed/models/<name>/, with a model card) and the run's log and loss
-curve to experiments/results/d2f_<name>.{json,png}.
+curve to experiments/results/baselines/d2f_<name>.{json,png}.
 
 The problems are the teacher's own (its recorded task set, family weights and, for a
 task set with long answers, its length buckets: `DistillConfig.for_teacher`); the
@@ -26,7 +26,7 @@ from asynclane_jax import checkpoint
 from asynclane_jax.testbed import distill, tasks
 from asynclane_jax.testbed.evaluate import evaluate
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "baselines"
 
 
 def shapes(dc: dict) -> str:
@@ -70,7 +70,7 @@ Steps: {run['steps']:,}; training time: {run['train_minutes']:.1f} min of traini
 on a 2-core CPU. Command: `{run['command']}`. Final running means
 over the last 100 steps: loss {run['final']['loss']:.3f}, KL(teacher || student) at
 masked positions {run['final']['kl']:.3f}, argmax agreement with the teacher
-{100 * run['final']['agree']:.1f}%. Curve: `experiments/results/d2f_{name}.png`.
+{100 * run['final']['agree']:.1f}%. Curve: `experiments/results/baselines/d2f_{name}.png`.
 
 ## Held-out accuracy
 
@@ -135,7 +135,7 @@ def main(argv=None):
     for e in evals:
         print(f"{e['sampler']}: accuracy {e['accuracy']:.3f}, {e['nfe_per_token']:.3f} "
               f"calls/token, {e['tps']:.0f} tok/s", flush=True)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"d2f_{name}.json").write_text(json.dumps(
         {"config": dc.to_dict(), "run": run, "evals": evals, "log": d.log}) + "\n")
     try:

@@ -18,7 +18,7 @@
   5. the weights written beside the model (<model folder>/routers/), the routers' cost
      per call measured against the model's, held-out accuracy of `eb` on a few problems.
 
-Writes experiments/results/eb_<model>.{json,md}.
+Writes experiments/results/baselines/eb_<model>.{json,md}.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from asynclane_jax.testbed import evaluate as ev
 from asynclane_jax.testbed import routers as R
 from asynclane_jax.testbed import tasks
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "baselines"
 
 
 def median_ms(fn, *args, repeats: int = 30) -> float:

@@ -7,7 +7,7 @@
       --init-from tiny-llada
 
 Checkpoints (resumable: rerun the same command) go under runs/<name>/; the loss curve
-and the JSON log go to experiments/results/testbed_<name>.{png,json}; the final model is
+and the JSON log go to experiments/results/testbed/testbed_<name>.{png,json}; the final model is
 written to asynclane_jax/testbed/models/<name>/ (unless --no-export).
 """
 
@@ -172,7 +172,7 @@ def main(argv=None):
     final = trainer.evaluate()
     print(f"[final monitor] {json.dumps(final)}", flush=True)
 
-    results = ROOT / "experiments" / "results"
+    results = ROOT / "experiments" / "results" / "testbed"
     results.mkdir(parents=True, exist_ok=True)
     log = trainer.log_dict()
     (results / f"testbed_{tc.name}.json").write_text(json.dumps(log, indent=1) + "\n")

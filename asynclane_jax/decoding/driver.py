@@ -112,8 +112,8 @@ def run_if(pred, fn, state, out):
     A while_loop of at most one trip, not a lax.cond branch: XLA copies the whole K/V
     cache when a loop that writes it in place (the scanned layers of a model call) runs
     inside a conditional branch (on the TPU, twice per layer iteration), while a loop
-    nested in a loop updates its carry in place (experiments/cache_copies.py;
-    experiments/results/memory-8b.md).
+    nested in a loop updates its carry in place (experiments/results/compile/memory-8b.md,
+    experiments/results/compile/cache_copies.json).
     """
     def body(carry):
         _, st, _ = carry

@@ -44,7 +44,7 @@ class Linear(nnx.Module):
     output passes through `lax.optimization_barrier` (an identity): for the q / k / v
     projections of a model without q/k/v biases (LLaDA) the TPU compiler otherwise
     copies each stacked [in, out] kernel into the transposed layout when a decode
-    starts, 1 GiB each at LLaDA-8B in bfloat16 (experiments/results/memory-8b.md).
+    starts, 1 GiB each at LLaDA-8B in bfloat16 (experiments/results/compile/memory-8b.md).
     """
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, *, bias: bool, cfg: ModelConfig,
@@ -517,7 +517,7 @@ class DiffusionLM(nnx.Module):
         compiled program (one copy of every layer per call); True, one `jax.lax.scan`
         over the stacked Block carrying (x, cache), with the layer index traced (one
         layer body per call; see `_scan`). Same arithmetic in both; measured in
-        experiments/layer_stack.py and experiments/memory_8b.py (results/memory-8b.md).
+        experiments/results/compile/layer_stack.md and experiments/results/compile/memory-8b.md.
 
         Args:
           tokens: [b, Q] token ids.

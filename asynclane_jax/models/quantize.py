@@ -89,7 +89,7 @@ def int8_matmul(x, values, scale, dtype, out_in: bool = False):
     out_in: values [out, in] and scale [out, 1] (the contracted axis minor). The layers
     that feed attention (q / k / v) keep their int8 values so: in [in, out] the TPU
     compiler copies each of their stacked kernels into that layout when a decode starts
-    (experiments/results/memory-8b.md)."""
+    (experiments/results/compile/memory-8b.md)."""
     import qwix
 
     w = qwix.QArray(values, scale.astype(dtype))

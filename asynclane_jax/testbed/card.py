@@ -298,7 +298,7 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            f"Steps: {log['step']:,}; training time: {minutes:.1f} min of training steps "
            f"(monitoring excluded) on {hardware}. " + _warm_start(tc)
            + f"Command: `{train_command(tc)}`. Loss curve: "
-           f"`experiments/results/testbed_{name}.png`.", "",
+           f"`experiments/results/testbed/testbed_{name}.png`.", "",
            "## Held-out accuracy", "",
            "| sampler | gen length | problems | exact answer | " + " | ".join(families)
            + " | lines exact | model calls / token | tokens/s |",

@@ -12,8 +12,8 @@ at each masked position of line k+1 is compared with the reference:
 - line: every token of the line, its free choices (connective, consequence word) graded
   right whichever member is predicted.
 
-Tallied per family and by the line's index (INDEX_BUCKETS). experiments/lookup_probe.py
-runs it on shipped models.
+Tallied per family and by the line's index (INDEX_BUCKETS); its results on tiny-llada-v2 are
+in experiments/results/testbed/lookup_probe.md.
 """
 
 from __future__ import annotations

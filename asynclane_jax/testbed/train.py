@@ -11,7 +11,7 @@ Mask-ratio curriculum (TrainConfig.t_max_start, t_ramp): early in the budget t i
 from U(eps, t_max] with t_max rising linearly to 1, so early batches mask few tokens and
 each masked value mostly has its operands and the prompt statement in view. At this size
 it shortens the loss plateau on which both objectives otherwise sit while the model has
-learned the format but not yet to fetch values (experiments/results/testbed_summary.md).
+learned the format but not yet to fetch values (experiments/results/testbed/testbed_summary.md).
 
 Dream variant (`logit_shift=True` in the model config): the token at position i is
 predicted from the output at i - 1, so the masked position i is scored with logits[i-1].

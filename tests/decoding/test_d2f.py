@@ -179,7 +179,7 @@ def test_shipped_students_end_to_end(name, least):
     held-out problems tiny-llada-d2f and tiny-dream-d2f score above 80% at 256. The v4
     students (answers up to 377 tokens; 70.5% and 72.0% at 512) answer every problem of
     the short families, half of these 8, and lose most long answers
-    (experiments/results/d2f.md): tiny-dream-v4-d2f none of these 4."""
+    (experiments/results/baselines/d2f.md): tiny-dream-v4-d2f none of these 4."""
     import asynclane_jax as aj
     from asynclane_jax.testbed import evaluate as ev
     from asynclane_jax.testbed import tasks

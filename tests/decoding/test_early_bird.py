@@ -326,7 +326,7 @@ def test_shipped_routers_of_the_long_answer_models(name):
     """The v4 models' own routers, found through their folders, decode the first 8
     held-out problems of v4 (4 short, 4 long answers) at gen_length 512 with no mask
     left, and answer at least 6 (on 100 held-out problems eb scores 86.0% and 95.0%:
-    experiments/results/eb_<model>.md)."""
+    experiments/results/baselines/eb_<model>.md)."""
     import asynclane_jax as aj
     from asynclane_jax import checkpoint
     from asynclane_jax.testbed import evaluate as ev
