@@ -74,14 +74,14 @@ at the same speed; experiments/results/bench/bench_tiny-llada-v4b_threshold.md a
 experiments/results/bench/bench_tiny-dream-v4_threshold.md), no relaxation
 (relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is attended:
 on the long answers of tiny-llada-v4b a horizon of 96 loses many of them, for Fast-dLLM
-given it as much as for AsyncLane; experiments/results/asynclane/README.md, "Why the
+given it as much as for AsyncLane; experiments/results/asynclane/log.md, "Why the
 horizon breaks long answers"), and the cascade. Renewal calls (renew=256: the block
 before the window and the 256 positions after it re-encoded in a wide cached call
 instead of a full forward) are an option: on tiny-llada-v4b at gen_length 512 they are
 faster at the same overall accuracy, but they move accuracy between answer lengths:
 answers of 129-256 tokens gain, and answers longer than 256 tokens lose, falling well
 under vanilla's (experiments/results/bench/bench_tiny-llada-v4b.md, rows `asynclane` and
-`asynclane:renew=256`; experiments/results/asynclane/README.md, "Renewals off by
+`asynclane:renew=256`; experiments/results/asynclane/log.md, "Renewals off by
 default"). The default keeps every length bucket close to vanilla's. max_lanes=1 turns
 the lanes off; horizon=96 gives the visible horizon of earlier releases.
 
