@@ -16,6 +16,7 @@ from orbax.checkpoint._src.serialization import limits
 import asynclane_jax
 from asynclane_jax import checkpoint
 from asynclane_jax.checkpoint import CheckpointError
+from asynclane_jax.checkpoint.format import str_keys
 
 
 def _params(model):
@@ -94,7 +95,7 @@ def test_one_array_in_flight_on_a_mesh(monkeypatch):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                          checkpoint._str_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+                          str_keys(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     live.update(calls=0, max=0)
     back = checkpoint.restore_params(checkpoint.resolve("tiny-llada") / "params", target)
     largest = max(a.nbytes for a in params.values())

@@ -1,0 +1,78 @@
+"""From the arrays as stored to the model's: the one step after `restore` that casts
+dtypes, quantizes float kernels to int8, changes the layer layout and places each
+parameter where the model's sharding plan puts it.
+
+Per array (`to_model`, called by the restore with each array as soon as it is on its
+device): the cast to the model's dtype, then, for `quantize="int8"` on float weights,
+the kernel's quantization. Per tree, after the restore: the layer layout
+(`relayout_params`: stacked <-> per-layer, exact) and the final placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from asynclane_jax.models import quantize as quantize_lib
+
+
+def to_model(name: str, array: jax.Array, *, dtypes: Mapping[str, np.dtype],
+             quantize_out_in: frozenset | None = None):
+    """One stored array as the model wants it, on its device: cast to `dtypes[name]`
+    (round to nearest even), then with `quantize_out_in` (quantize-on-read) a linear
+    layer's kernel (every `...kernel`) becomes {"kernel": int8 values, "scale":
+    scales}, transposed for the layers named in it; any other array stays one array."""
+    want = np.dtype(dtypes[name])
+    if array.dtype != want:
+        array = array.astype(want)
+    if quantize_out_in is None or not name.endswith("kernel"):
+        return array
+    values, scale = quantize_lib.quantize_array(
+        array, out_in=quantize_lib.layer_of(name) in quantize_out_in)
+    return {"kernel": values, "scale": scale}
+
+
+def merge_read(tree):
+    """Puts what a transform returned as a dict in a leaf's place beside it: {"kernel":
+    {"kernel": v, "scale": s}} -> {"kernel": v, "scale": s}."""
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for k, v in tree.items():
+        if k == "kernel" and isinstance(v, dict) and set(v) == {"kernel", "scale"}:
+            out.update(v)
+        else:
+            out[k] = merge_read(v)
+    return out
+
+
+def relayout_params(params: dict, n_layers: int, target: dict) -> dict:
+    """Parameters (string keys, arrays on their devices) in the layer layout of
+    `target` (ShapeDtypeStructs with shardings, as `load_model` builds), each result
+    placed by its target's sharding. Exact; consumes `params`' layers (one layer tensor
+    in both layouts at a time)."""
+    from asynclane_jax.models.model import layer_layout, stack_layer_params, unstack_layer_params
+
+    want = layer_layout(target)
+    if layer_layout(params) == want:
+        return params
+    layers = params.pop("layers")
+    params = {k: v for k, v in params.items()}
+    if want == "stacked":
+        out = stack_layer_params({"layers": layers}, n_layers)["layers"]
+    else:
+        out = unstack_layer_params({"layers": layers}, n_layers, str_keys=True)["layers"]
+    del layers
+    params["layers"] = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding),
+                                    out, target["layers"])
+    return params
+
+
+def place(params: dict, target: dict) -> dict:
+    """Each array on its target's sharding (a copy only where it is elsewhere, e.g. an
+    int8 scale computed beside its kernel)."""
+    return jax.tree.map(
+        lambda a, t: a if a.sharding == t.sharding else jax.device_put(a, t.sharding),
+        params, target)
