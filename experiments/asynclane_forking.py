@@ -42,7 +42,7 @@ RESULTS = pathlib.Path(__file__).parent / "results" / "asynclane"
 # used the old ones, which OLD_DEFAULTS spells out.
 OLD_DEFAULTS = ("max_lanes=1:relaxed_threshold=0.75:horizon=96:refresh_at_fork=true:"
                 "fork_when_fresh=false:refresh_travel=0")
-EQUAL_FOOTING = "cascade=true:early_stop=true:cache=dual"  # bench.py's (c), dual cache
+EQUAL_FOOTING = "cascade=true:early_stop=true:cache=dual"  # the bench's (c), dual cache
 DEFAULT_VARIANTS = (
     "lanes-off=asynclane:max_lanes=1",
     "default=asynclane",
@@ -55,7 +55,7 @@ DEFAULT_VARIANTS = (
 
 
 def parse_variant(text: str) -> tuple[str, str, dict]:
-    from asynclane_jax.bench import parse_spec
+    from asynclane_jax.bench.spec import parse_spec
 
     label, eq, spec = text.partition("=")
     if not eq:

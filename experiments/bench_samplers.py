@@ -1,16 +1,17 @@
 """Samplers side by side on a shipped testbed model: accuracy, tokens/s, model calls.
 
-Runs `asynclane-jax bench` (asynclane_jax.bench): every sampler on the same held-out
+Runs `asynclane-jax bench` (asynclane_jax.bench.cli): every sampler on the same held-out
 problems in one process, interleaved batch by batch, at several generation lengths;
 Fast-dLLM and LocalLeap at the faster of prefix and dual cache; tokens/s counts tokens
 before the first end-of-text over decoding time (compilation excluded). Results go to
-experiments/results/bench_<model>.json (rewritten after each generation length), .md and
+experiments/results/bench/bench_<model>.json (rewritten after each generation length), .md and
 .png (the plot when matplotlib is installed); with --batch B other than 1 the names end
 in _batchB, and with --tag T in _T (a run of a few specs that must not overwrite the
-full bench). The command that made them is kept in the JSON's meta and at the top of the .md.
+full bench). The command that made them is kept in the JSON's meta and at the top of the .md
+(asynclane_jax.bench.report.to_markdown).
 
-The default specs (bench.DEFAULT_SAMPLERS) hold the three comparisons: the baselines as
-published, with early stop, and with AsyncLane's horizon and cascade (bench's docstring).
+The default specs (bench.spec.DEFAULT_SAMPLERS) hold the three comparisons: the baselines
+as published, with early stop, and on AsyncLane's footing (bench.compare's docstring).
 
 Usage: python experiments/bench_samplers.py [--model tiny-llada] [--n 50] [--batch 1]
        [--gen-lengths 128,256,512] [--samplers SPEC,SPEC,...] [--tag T]
@@ -25,9 +26,9 @@ import pathlib
 import shlex
 import sys
 
-from asynclane_jax import bench
+from asynclane_jax.bench import cli, report, runner, spec
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).parent / "results" / "bench"
 
 
 def main() -> int:
@@ -35,12 +36,12 @@ def main() -> int:
     ap.add_argument("--model", default="tiny-llada")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--gen-lengths", default=",".join(map(str, bench.DEFAULT_GEN_LENGTHS)))
+    ap.add_argument("--gen-lengths", default=",".join(map(str, spec.DEFAULT_GEN_LENGTHS)))
     ap.add_argument("--samplers", default=None, help="default: the bench command's")
     ap.add_argument("--tag", default=None, help="results named bench_<model>[_batchB]_<tag>")
     args = ap.parse_args()
 
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"bench_{pathlib.Path(args.model).name}"
     if args.batch != 1:
         stem = stem.with_name(f"{stem.name}_batch{args.batch}")
@@ -54,14 +55,14 @@ def main() -> int:
         argv += ["--samplers", args.samplers]
     if importlib.util.find_spec("matplotlib") is not None:
         argv += ["--plot", f"{stem}.png"]
-    rc = bench.main(argv)
+    rc = cli.main(argv)
     if rc != 0:
         return rc
     data = json.loads(pathlib.Path(f"{stem}.json").read_text())
     data["meta"]["command"] = shlex.join(["python", "experiments/bench_samplers.py",
                                           *sys.argv[1:]])
-    bench.write_json(f"{stem}.json", data["meta"], data["rows"])
-    md = bench.to_markdown(data["rows"], data["meta"])
+    runner.write_json(f"{stem}.json", data["meta"], data["rows"])
+    md = report.to_markdown(data["rows"], data["meta"])
     pathlib.Path(f"{stem}.md").write_text(md)
     print(md)
     return 0

@@ -1,5 +1,6 @@
 """The block samplers on AsyncLane's footing: the visible horizon and the cascade as
-options of BlockSchedule (block.py), and the bench's three comparisons.
+options of BlockSchedule (block.py). The bench's comparisons that use them are tested in
+tests/commands/test_bench_compare.py.
 
 - The horizon's promise, on the shipped tiny-llada: with horizon=96 (block 32), cascade
   and early stop, Fast-dLLM and LocalLeap at gen_length 512 make exactly the tokens and
@@ -11,7 +12,7 @@ options of BlockSchedule (block.py), and the bench's three comparisons.
   shown the whole canvas by that block's refresh, at no extra call; an answer longer
   than the initial view comes out whole, equal to the horizon-free decode (AsyncLane
   with lanes off and forking, Fast-dLLM with the horizon).
-- Validation, the registry's options, and the bench's comparisons.
+- Validation and the registry's options.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import numpy as np
 import pytest
 
 import asynclane_jax
-from asynclane_jax import bench
 from asynclane_jax.decoding import generate
 from asynclane_jax.decoding.registry import build, get_schedule_class, option_docs, option_fields
 from asynclane_jax.decoding.schedule import CallOutput, Context, SamplerError
@@ -244,88 +244,3 @@ def test_options_off_by_default_and_documented():
     for name in ("vanilla", "dream"):
         fields = option_fields(get_schedule_class(name))
         assert "horizon" not in fields and "cascade" in fields
-
-
-# ------------------------------------------------------------ the bench's comparisons
-
-def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
-    def row(sampler, tps, **opts):
-        return {"sampler": sampler, "tps": tps, "gen_length": 512, "options": opts}
-
-    horizon = dict(cache="dual", **ON)
-    rows = bench.add_speedups([
-        row("fast-dllm", 100.0, cache="dual"),
-        row("localleap:early_stop=true", 500.0, early_stop=True, cache="dual"),
-        row(f"localleap:{bench.EQUAL_FOOTING}", 2000.0, cache="dual", cascade=True,
-            early_stop=True),
-        row("fast-dllm:horizon=96:cascade=true:early_stop=true", 1600.0, **horizon),
-        row("fast-dllm:horizon=96", 900.0, horizon=96, cache="dual"),
-        row(f"fast-dllm:{bench.EQUAL_FOOTING}:{bench.RENEWAL}", 2400.0, cache="dual",
-            cascade=True, early_stop=True, renew=256),
-        row("fast-dllm:renew=256", 700.0, cache="dual", renew=256),
-        row("asynclane:renew=0", 1800.0, renew=0),
-        row("asynclane:horizon=96", 3200.0, horizon=96),
-        row("asynclane:renew=256", 3000.0, renew=256)])
-    assert [r["comparison"] for r in rows] == [
-        "published", "early-stop", "equal-footing", "equal-footing", "other",
-        "equal-footing", "other", "asynclane", "asynclane", "asynclane"]
-    lane, lane96, renewing = rows[-3:]
-    assert lane["speedup_vs_fastest_baseline"] == pytest.approx(18.0)
-    assert lane["speedup_vs_fastest_early_stop"] == pytest.approx(3.6)
-    # (c) of the row's own footing: no horizon and no renewals (2000 tokens/s), the
-    # horizon 96 (1600; renewals do not go with it), or renewals of 256 (2400).
-    assert lane["speedup_vs_fastest_equal_footing"] == pytest.approx(0.9)
-    assert lane96["speedup_vs_fastest_equal_footing"] == pytest.approx(2.0)
-    assert lane96["speedup_vs_fastest_baseline"] == pytest.approx(32.0)
-    assert renewing["speedup_vs_fastest_equal_footing"] == pytest.approx(1.25)
-    assert bench.footing(renewing) == (0, 256) and bench.footing(lane96) == (96, 0)
-    # AsyncLane's defaults: no horizon, no renewals.
-    assert bench.footing(row("asynclane", 1.0)) == (0, 0)
-    assert {"comparison", *bench.COMPARISONS.values()} <= set(bench.ROW_KEYS)
-    # The defaults hold all three comparisons, and they build at the bench's lengths.
-    specs = bench.default_specs()
-    assert {bench.comparison_of(s, bench.parse_spec(s)[1][0]) for s in specs} == {
-        "published", "early-stop", "equal-footing", "asynclane"}
-    bench.validate(specs, [128, 256, 512])
-
-
-def test_per_family_speedups_meet_the_fastest_equal_footing_row_of_each_family():
-    def row(sampler, fams, **opts):
-        return {"sampler": sampler, "tps": sum(fams.values()), "gen_length": 512,
-                "options": opts, "tps_family": fams}
-
-    eq = dict(cache="dual", cascade=True, early_stop=True)
-    rows = bench.add_speedups([
-        row("fast-dllm", {"math": 50.0, "walk": 10.0}, cache="dual"),
-        row(f"fast-dllm:{bench.EQUAL_FOOTING}", {"math": 400.0, "walk": 100.0}, **eq),
-        row(f"localleap:{bench.EQUAL_FOOTING}", {"math": 300.0, "walk": 200.0}, **eq),
-        row("fast-dllm:horizon=96:cascade=true", {"math": 900.0, "walk": 900.0},
-            horizon=96, cache="dual", cascade=True),
-        row("asynclane:renew=0", {"math": 400.0, "walk": 260.0}, renew=0)])
-    # Each family against its own fastest (c) row, of the row's footing (no horizon, no
-    # renewals here): the walk figure meets LocalLeap (200), the math figure Fast-dLLM
-    # (400); the horizon
-    # row (900) is another horizon's rival and is not met.
-    assert rows[-1]["speedup_family_vs_equal_footing"] == {
-        "math": pytest.approx(1.0), "walk": pytest.approx(1.3)}
-    assert rows[2]["speedup_family_vs_equal_footing"]["walk"] == pytest.approx(1.0)
-    md = "\n".join(bench.breakdown_markdown([dict(
-        r, n=2, accuracy_family={f: {"n": 1, "accuracy": 1.0} for f in r["tps_family"]},
-        accuracy_length={}) for r in rows]))
-    assert "walk tok/s" in md and "260 (1.30x)" in md and "400 (1.00x)" in md
-    # Without (c) rows there is nothing to meet.
-    lone = bench.add_speedups([row("asynclane", {"math": 1.0})])[0]
-    assert lone["speedup_family_vs_equal_footing"] is None
-
-
-def test_the_table_names_the_comparison_and_the_command():
-    r = {"model": "m", "sampler": f"localleap:{bench.EQUAL_FOOTING}", "gen_length": 256,
-         "n": 2, "batch": 1, "options": dict(ON, cache="dual"), "accuracy": 0.5,
-         "tps": 10.0, "nfe_per_token": 0.2, "tokens_per_call": 5.0, "steps": 4.0,
-         "wall_s": 1.0, "compile_s": 1.0}
-    bench.add_speedups([r])
-    cells = bench.table_rows([r])[0]
-    assert cells[1] == "(c) equal footing" and cells[6:9] == ("-", "-", "1.00x")
-    md = bench.to_markdown([r], {"model": "m", "n": 2, "batch": 1,
-                                 "command": "python experiments/bench_samplers.py --n 2"})
-    assert "python experiments/bench_samplers.py --n 2" in md and "(c) equal footing" in md

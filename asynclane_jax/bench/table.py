@@ -1,0 +1,62 @@
+"""The table `asynclane-jax bench` prints: one line per row (bench.runner)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from asynclane_jax.bench.runner import SPEEDUP_FIELDS
+
+TABLE_HEAD = ("gen", "comparison", "sampler", "chosen options", "accuracy", "tokens/s",
+              "vs (a)", "vs (b)", "vs (c)", "calls/token", "steps", "decode s", "compile s")
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _opts_text(opts: dict) -> str:
+    return " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                    for k, v in opts.items())
+
+
+def table_rows(rows: list[dict], labels: dict | None = None) -> list[tuple[str, ...]]:
+    """The cells of the summary table, one tuple per row (TABLE_HEAD).
+
+    Args:
+      rows: bench rows.
+      labels: comparison value -> its label (bench.compare.COMPARISON_LABELS); a value
+        without one is shown as it is, a row without a comparison as `-`.
+    """
+    labels = labels or {}
+
+    def label(c):
+        return "-" if c is None else labels.get(c, str(c))
+
+    return [(str(r["gen_length"]), label(r.get("comparison")),
+             r["sampler"], _opts_text(r["options"]),
+             f"{100 * r['accuracy']:.1f}%", f"{r['tps']:.1f}",
+             *(_fmt(r.get(field), ".2f", "x") for field in SPEEDUP_FIELDS),
+             _fmt(r["nfe_per_token"], ".3f"), f"{r['steps']:.1f}", f"{r['wall_s']:.2f}",
+             f"{r['compile_s']:.1f}") for r in rows]
+
+
+def print_table(rows: list[dict], file=None, labels: dict | None = None) -> None:
+    """The summary table: drawn with `rich` on a terminal when it is installed, else
+    plain aligned text."""
+    file = file or sys.stdout
+    cells = table_rows(rows, labels)
+    try:
+        if not file.isatty():
+            raise ImportError  # plain text for files and pipes
+        from rich.console import Console
+        from rich.table import Table
+    except (ImportError, AttributeError):
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(TABLE_HEAD)]
+        for line in (TABLE_HEAD, *cells):
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip(), file=file)
+        return
+    table = Table(*TABLE_HEAD)
+    for c in cells:
+        table.add_row(*c)
+    Console(file=file).print(table)
