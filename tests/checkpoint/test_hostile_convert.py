@@ -1,11 +1,10 @@
-"""Hostile inputs: every bad input a user can hand the converter, the loader and the
-command lines is one line on stderr and exit status 2, within a second, with nothing
-written; converted folders carry a digest per array that loading checks; SIGINT and
-SIGTERM during a conversion (real signals, real processes) leave nothing behind.
+"""Hostile inputs to the converter and the loader: every bad input is one line on
+stderr and exit status 2, within a second, with nothing written; SIGINT and SIGTERM
+during a conversion (real signals, real processes) leave nothing behind.
 
 Sections: config.json fields (Hugging Face and converted), safetensors headers, LoRA
-settings, --verify, signals, destinations, tokenizer files, prompts and --n, dataset
-rows, integrity (digests), and hypothesis fuzzing of config fields and CLI options.
+settings, --verify, signals, destinations, tokenizer files, and hypothesis fuzzing of
+config fields. Helpers: tests/hostile.py.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import json
 import math
 import os
 import pathlib
-import random
 import shutil
 import signal
 import struct
@@ -26,88 +24,26 @@ import hf_reference as H
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hostile import (  # noqa: F401
+    FAST,
+    FUZZ,
+    _one_parser,
+    cli,
+    convert_refused,
+    leftovers,
+    one_line,
+    one_parser,
+    refused,
+    snapshot,
+)
+from hostile import converted_copy as _converted_copy
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asynclane_jax
 from asynclane_jax import checkpoint
 from asynclane_jax.checkpoint import CheckpointError
-from asynclane_jax.cli import build_parser, main
 from asynclane_jax.models import ConfigError, from_hf_config
-
-# Seconds: a bad input is refused within this (checks only, no imports), measured as the
-# CPU time of this process (the machines running the suite are shared).
-FAST = 1.0
-# Every model shipped inside the package (its folders), not a list kept by hand.
-SHIPPED = tuple(sorted(d.name for d in checkpoint.BUILTIN_MODELS_DIR.iterdir()
-                       if (d / checkpoint.CONFIG_FILE).is_file()))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_parser():
-    """One parser for the module's hundreds of in-process `main` calls (building it,
-    with every entry point and the sampler help, costs ~0.1-0.2 s a call), and the
-    modules the commands import on first use imported once, outside the timings."""
-    from transformers import PreTrainedTokenizerFast  # noqa: F401
-
-    import asynclane_jax.cli as cli_module
-    import asynclane_jax.decoding.registry  # noqa: F401
-    import asynclane_jax.testbed.evaluate  # noqa: F401
-
-    parser = build_parser()
-    real = cli_module.build_parser
-    cli_module.build_parser = lambda: parser
-    yield
-    cli_module.build_parser = real
-
-
-def one_line(err: str) -> None:
-    assert "Traceback" not in err and err.strip().count("\n") == 0 and err.strip(), err
-
-
-def leftovers(parent: pathlib.Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
-
-
-def cli(capsys, *argv):
-    """(exit status, stdout, stderr, CPU seconds) of `asynclane-jax ARGV` in-process."""
-    t = time.process_time()
-    rc = main([str(a) for a in argv])
-    seconds = time.process_time() - t
-    out = capsys.readouterr()
-    return rc, out.out, out.err, seconds
-
-
-def refused(capsys, *argv, needle: str, fast: bool = True) -> str:
-    """Runs `asynclane-jax ARGV`: exit 2, one line naming `needle`, within FAST."""
-    rc, _, err, seconds = cli(capsys, *argv)
-    assert rc == 2, err
-    one_line(err)
-    assert needle in err, err
-    if fast:
-        assert seconds < FAST, f"{seconds:.2f} s"
-    return err
-
-
-def snapshot(root: pathlib.Path, family: str = "llada", layout: str = "single",
-             seed: int = 9, **hf_overrides):
-    hf = (H.llada_hf_config if family == "llada" else H.dream_hf_config)(**hf_overrides)
-    tensors = H.random_tensors(hf, seed=seed)
-    return H.write_checkpoint(root / "src", hf, tensors, layout=layout), hf, tensors
-
-
-def convert_refused(capsys, src, dst, *extra, needle: str, fast: bool = True) -> str:
-    err = refused(capsys, "convert", src, dst, "--no-progress", *extra, needle=needle,
-                  fast=fast)
-    assert not os.path.lexists(dst)
-    assert leftovers(pathlib.Path(dst).parent) == []
-    return err
-
-
-@pytest.fixture
-def src(tmp_path):
-    return snapshot(tmp_path)[0]
-
 
 # --------------------------------------------------------------------------- config.json
 
@@ -160,12 +96,6 @@ def test_every_size_bound_and_parameter_count_is_checked():
             for tie in (False, True):
                 cfg = preset(name).replace(qkv_bias=bias, tie_embeddings=tie)
                 assert n_params(cfg.to_dict()) == param_stats(cfg)["params"]
-
-
-def _converted_copy(tmp_path, name="tiny-llada") -> pathlib.Path:
-    dst = tmp_path / name
-    shutil.copytree(checkpoint.resolve(name), dst)
-    return dst
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -538,183 +468,6 @@ def test_bad_tokenizer_files_of_a_converted_folder(tmp_path, capsys, name, conte
         asynclane_jax.load(folder)
 
 
-# --------------------------------------------------------------------------- prompts, --n
-
-def test_non_utf8_prompt(capsys):
-    """argv bytes that are not UTF-8 arrive as surrogateescape text (as here)."""
-    err = refused(capsys, "generate", "caf\udce9 \udcff", "--model", "tiny-llada",
-                  needle="not valid UTF-8")
-    assert "0xe9" in err
-
-
-def test_non_utf8_prompt_bytes_in_a_real_process():
-    cmd = [os.path.join(os.path.dirname(sys.executable), "asynclane-jax").encode(),
-           b"generate", b"caf\xe9", b"--model", b"tiny-llada"]
-    res = subprocess.run(cmd, capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    err = res.stderr.decode(errors="replace")
-    assert res.returncode == 2, err
-    one_line(err)
-    assert "not valid UTF-8" in err and "0xe9" in err
-
-
-@pytest.mark.parametrize("n", ["1000000000", "2001"])
-def test_absurd_eval_n(capsys, n):
-    refused(capsys, "eval", "--n", n, needle=f"--n {n}: the held-out split has 2000 problems")
-
-
-def test_evaluate_bounds_n():
-    from asynclane_jax.testbed.evaluate import evaluate
-
-    t = time.process_time()
-    for n in (10**9, 0, 2.5, True):
-        with pytest.raises(ValueError, match="problems"):
-            evaluate(None, n=n)
-    with pytest.raises(ValueError, match="train split has 100000"):
-        evaluate(None, n=10**9, split="train")
-    assert time.process_time() - t < FAST
-
-
-# --------------------------------------------------------------------------- dataset rows
-
-def _jsonl(path: pathlib.Path, rows) -> pathlib.Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
-                            for r in rows))
-    return path
-
-
-HUMANEVAL_ROW = {"task_id": "HumanEval/0", "prompt": "def f():\n", "test": "def check(f): "
-                 "assert f() == 1\n", "entry_point": "f", "canonical_solution": "  return 1\n"}
-
-
-@pytest.mark.parametrize("key, rows, needle", [
-    ("gsm8k", [{"question": "q", "answer": "#### 1"}] * 2 + [{"question": "q"}],
-     "row 3 has no answer"),
-    ("humaneval", [HUMANEVAL_ROW, {k: v for k, v in HUMANEVAL_ROW.items() if k != "test"}],
-     "row 2 has no test (bad data, not a problem to score)"),
-    ("humaneval", [HUMANEVAL_ROW, dict(HUMANEVAL_ROW, test=None)], "row 2 has no test"),
-    ("humaneval", [HUMANEVAL_ROW, dict(HUMANEVAL_ROW, test="  ")], "empty column(s) test"),
-    ("mbpp", [{"text": "t", "code": "c", "test_list": "assert 1"}],
-     "wrong type: test_list (str)"),
-    ("math500", [{"problem": "p", "answer": "1"}, [1, 2]], "row 2 is a list"),
-    ("gsm8k", [{"question": "q", "answer": "1"}, "{not json"], "line 2 is not JSON"),
-])
-def test_bad_dataset_rows(tmp_path, key, rows, needle):
-    from asynclane_jax.harness import data
-
-    path = _jsonl(tmp_path / "test.jsonl", rows)
-    with pytest.raises(data.DataError) as e:
-        data.load_rows(key, path)
-    assert needle in str(e.value) and str(path) in str(e.value)
-
-
-def test_bad_dataset_row_through_the_command(tmp_path, capsys):
-    pytest.importorskip("lm_eval")
-    from asynclane_jax.harness import cli as harness_cli
-
-    path = _jsonl(tmp_path / "test.jsonl", [{"question": "q", "answer": "1"}, {"answer": "2"}])
-    rc = harness_cli.main(["--model", "tiny-llada", "--tasks", "gsm8k", "--data",
-                           f"gsm8k={path}"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "row 2 has no question" in err
-    one_line(err)
-
-
-# --------------------------------------------------------------------------- integrity
-
-def _flip(folder: pathlib.Path, n: int = 100, seed: int = 0) -> None:
-    data_files = [p for p in (folder / "params").rglob("*") if p.is_file()
-                  and p.parent.name == "d"]
-    target = max(data_files, key=lambda p: p.stat().st_size)
-    data = bytearray(target.read_bytes())
-    for i in random.Random(seed).sample(range(len(data)), n):
-        data[i] ^= 0xFF
-    target.write_bytes(bytes(data))
-
-
-@pytest.fixture
-def corrupt(tmp_path):
-    folder = _converted_copy(tmp_path)
-    _flip(folder)
-    return folder
-
-
-def test_flipped_bytes_are_refused_by_load(corrupt, capsys, monkeypatch):
-    with pytest.raises(CheckpointError, match=r"is corrupt: parameter layers\.\d+\.\S+ differs"):
-        asynclane_jax.load(corrupt)
-    refused(capsys, "generate", "hello", "--model", corrupt, needle="is corrupt: parameter",
-            fast=False)
-    asynclane_jax.load(corrupt, verify=False)  # the opt-outs: unchecked, as before
-    monkeypatch.setenv(checkpoint.VERIFY_ENV, "0")
-    asynclane_jax.load(corrupt)
-
-
-def test_flipped_bytes_on_a_mesh(corrupt):
-    import jax
-
-    from asynclane_jax import sharding
-
-    mesh = sharding.make_mesh("tensor", devices=jax.devices()[:1])
-    with pytest.raises(CheckpointError, match="is corrupt"):
-        asynclane_jax.load(corrupt, mesh=mesh)
-
-
-def test_verify_command(corrupt, capsys):
-    rc, out, err, _ = cli(capsys, "verify", "tiny-llada")
-    assert rc == 0 and out.startswith("OK: ") and "75 arrays match" in out, err
-    err = refused(capsys, "verify", corrupt, needle="is corrupt: parameters", fast=False)
-    assert "differ from the digest" in err
-
-
-def test_shipped_models_have_digests_and_pass():
-    assert {"tiny-llada", "tiny-llada-v4b", "tiny-dream-v4", "tiny-llada-d2f"} <= set(SHIPPED)
-    for name in SHIPPED:
-        folder = checkpoint.resolve(name)
-        assert (folder / checkpoint.DIGESTS_FILE).is_file(), name
-        assert checkpoint.verify_folder(name) == 75
-
-
-def test_converter_records_the_digest_of_every_stored_array(src, tmp_path, capsys):
-    rc, _, err, _ = cli(capsys, "convert", src, tmp_path / "dst", "--no-progress")
-    assert rc == 0, err
-    digests = checkpoint.read_digests(tmp_path / "dst")
-    model, _, _ = asynclane_jax.load(tmp_path / "dst")
-    params = checkpoint.flat_arrays(checkpoint.params_to_numpy(model))
-    assert set(digests) == set(params)
-    for name, a in params.items():
-        assert digests[name] == checkpoint.digest_entry(a), name
-    assert cli(capsys, "verify", tmp_path / "dst")[0] == 0
-
-
-def test_digest_listing_must_match(tmp_path, capsys):
-    folder = _converted_copy(tmp_path)
-    path = folder / checkpoint.DIGESTS_FILE
-    data = json.loads(path.read_text())
-    data["arrays"].pop("embed")
-    path.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match="embed is stored but has no digest"):
-        asynclane_jax.load(folder)
-    path.write_text("{not json")
-    refused(capsys, "verify", folder, needle="digests.json is unreadable")
-
-
-def test_folder_without_digests_loads_but_cannot_be_verified(tmp_path, capsys):
-    folder = _converted_copy(tmp_path)
-    (folder / checkpoint.DIGESTS_FILE).unlink()
-    asynclane_jax.load(folder)
-    refused(capsys, "verify", folder, needle="has no digests.json")
-
-
-def test_digest_of_a_large_array_is_chunked():
-    a = np.arange(checkpoint.DIGEST_CHUNK // 4 + 3, dtype=np.float32)
-    raw = a.tobytes()
-    import hashlib
-
-    pieces = [raw[i:i + checkpoint.DIGEST_CHUNK]
-              for i in range(0, len(raw), checkpoint.DIGEST_CHUNK)]
-    want = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
-    assert len(pieces) == 2 and checkpoint.array_digest(a) == want
-
-
 # --------------------------------------------------------------------------- fuzzing
 
 HOSTILE = st.one_of(
@@ -734,7 +487,6 @@ DREAM_FIELDS = ["hidden_size", "num_hidden_layers", "num_attention_heads",
                 "rope_theta", "rms_norm_eps", "eos_token_id", "pad_token_id",
                 "mask_token_id", "max_position_embeddings", "tie_word_embeddings",
                 "hidden_act", "use_sliding_window", "rope_scaling", "architectures"]
-FUZZ = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 
 
 @settings(FUZZ, max_examples=500)
@@ -802,45 +554,3 @@ def test_fuzz_converted_config_fields(fuzz_folder, capsys, data):
         assert seconds < FAST
 
 
-# Text an argv can carry: no NUL; non-UTF-8 bytes arrive as lone surrogates.
-ARG = st.one_of(st.text(st.characters(blacklist_characters="\0"), max_size=20),
-                st.integers(-(2**70), 2**70).map(str),
-                st.sampled_from(["nan", "inf", "-1", "0", "1e9", "~nobody/x", "/", ".",
-                                 "x" * 300, "\udcff\udcfe", "--help"]))
-
-
-@settings(FUZZ, max_examples=200)
-@given(data=st.data())
-def test_fuzz_cli_options_never_show_a_traceback(tmp_path_factory, monkeypatch, data):
-    """Garbage in every option (the model is never a real one, so nothing heavy runs):
-    an argparse refusal (exit 2) or one line, never a traceback. stderr is a StringIO:
-    like a real terminal's (errors="backslashreplace") it shows any text."""
-    import contextlib
-    import io
-
-    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
-    arg = lambda: data.draw(ARG).lstrip("-") or "x"
-    model = "no-such-model-" + arg()
-    argv = data.draw(st.sampled_from([
-        ["generate", data.draw(ARG), "--model", model, "--gen-length", arg()],
-        ["generate", data.draw(ARG), "--model", arg() + "/missing", "--seed", arg()],
-        ["eval", "--n", arg(), "--model", model],
-        ["eval", "--n", "4", "--model", model, "--gen-length", arg()],
-        ["info", "--model", arg() + "/missing"],
-        ["verify", arg() + "/missing"],
-        ["convert", arg() + "/missing", arg(), "--no-progress"],
-        ["convert", arg() + "/missing", "dst", "--lora", arg(), "--dtype", arg()],
-    ]))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            rc = main(argv)
-        except SystemExit as e:  # argparse: usage and the error, exit 2
-            rc = e.code
-    err = err.getvalue()
-    assert rc in (0, 2), (argv, err)
-    assert "Traceback" not in err, (argv, err)
-    # A name holding a line break is echoed as it is: one line is for the rest.
-    if rc == 2 and not err.startswith("usage:") and not any(
-            c in a for a in argv for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"):
-        one_line(err)
