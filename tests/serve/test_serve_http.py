@@ -826,22 +826,44 @@ def test_the_command_line_does_not_import_the_server_packages():
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.parametrize("argv,buckets", [
+    ([], (128, 256, 512)),
+    (["--max-tokens", "300"], (128, 256, 300)),
+    (["--max-tokens", "64"], (64,)),
+    (["--gen-lengths", "128,64"], (64, 128)),
+    (["--max-tokens", "300", "--default-max-tokens", "300"], (128, 256, 300)),
+])
+def test_serve_cli_buckets(argv, buckets, monkeypatch):
+    """A command line that passes the checks reaches the engine with these buckets (the
+    engine is stood in for, so that nothing is loaded or compiled)."""
+    import asynclane_jax
+    from asynclane_jax.cli import main
+    from asynclane_jax.serve import engine
+
+    class Reached(Exception):
+        pass
+
+    seen = {}
+
+    def fake_engine(model, tokenizer, **kwargs):
+        seen.update(kwargs)
+        raise Reached
+
+    monkeypatch.setattr(asynclane_jax, "load", lambda name, **kw: (None, object(), None))
+    monkeypatch.setattr(engine, "Engine", fake_engine)
+    with pytest.raises(Reached):
+        main(["serve", *argv])
+    assert seen["gen_lengths"] == buckets
+
+
 @pytest.mark.parametrize("argv,needle", [
-    (["--max-tokens", "300"], None),
     (["--gen-lengths", "64,128", "--max-tokens", "256"], "give one"),
     (["--gen-length", "64"], "--gen-length is per request"),
     (["--slots", "0"], "--slots 0"),
     (["--default-max-tokens", "600"], "more than the largest bucket"),
+    (["--max-tokens", "300", "--default-max-tokens", "301"], "more than the largest bucket"),
 ])
 def test_serve_cli_checks(argv, needle, capsys):
-    from asynclane_jax.serve.cli import gen_lengths
-
-    assert gen_lengths(300, None) == (128, 256, 300)
-    assert gen_lengths(None, None) == (128, 256, 512)
-    assert gen_lengths(64, None) == (64,)
-    assert gen_lengths(None, "128,64") == (64, 128)
-    if needle is None:
-        return
     from asynclane_jax.cli import main
 
     rc = main(["serve", *argv])
