@@ -27,8 +27,14 @@ starting the backend, before any work):
 unpacked in /tmp) to measure "before"; results are stored per `--label` in
 experiments/results/load_memory.json and load_memory.md shows every label.
 
+`--compare-restore DIR` instead loads the shipped tiny model and a ~130 MB converted
+folder with the tree at DIR and with this tree, alternately, in several cases (dtype
+override, digests off, int8, the other layer layout, a mesh), and writes
+experiments/results/checkpoint/load_restore.md (+ .json).
+
 Usage:
   python experiments/load_memory.py --label after
+  python experiments/load_memory.py --compare-restore /tmp/before
   git archive HEAD | tar -x -C /tmp/head && \\
       python experiments/load_memory.py --label before --code /tmp/head
 """
@@ -64,6 +70,7 @@ CHILD = textwrap.dedent("""
     import inspect, json, resource, sys, time
     import jax, numpy as np, orbax.checkpoint, tqdm  # the baseline: what the work imports
     import asynclane_jax
+    from flax import nnx
     from asynclane_jax import checkpoint, sharding
     from checkpoints_convert import convert
     jax.devices()
@@ -76,6 +83,7 @@ CHILD = textwrap.dedent("""
     mode, src, dst, dtype, mesh = sys.argv[1:6]
     dtype = None if dtype == "-" else dtype
     mesh = None if mesh == "-" else mesh
+    opts = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}  # verify=, quantize=
     out = {"baseline_mb": rss_mb()}
     t0 = time.time()
     if mode == "convert":
@@ -87,12 +95,12 @@ CHILD = textwrap.dedent("""
             sharding.shard_model(model, sharding.plan_for(cfg, mesh))
             out["how"] = "load, then sharding.shard_model"
         elif mesh is not None:
-            model, _, cfg = checkpoint.load(src, dtype=dtype, mesh=mesh)
+            model, _, cfg = checkpoint.load(src, dtype=dtype, mesh=mesh, **opts)
             out["how"] = "load(mesh=)"
         else:
-            model, _, cfg = checkpoint.load(src, dtype=dtype)
+            model, _, cfg = checkpoint.load(src, dtype=dtype, mesh=mesh, **opts)
             out["how"] = "load"
-        leaves = jax.tree.leaves(checkpoint.nnx.state(model, checkpoint.nnx.Param))
+        leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
         jax.block_until_ready(leaves)
         per_device = {}
         for a in leaves:
@@ -108,12 +116,14 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def run_child(code: pathlib.Path, mode: str, src, dst, dtype, mesh) -> dict:
+def run_child(code: pathlib.Path, mode: str, src, dst, dtype, mesh,
+              opts: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=str(code), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     if mesh is not None:
         env["XLA_FLAGS"] = EIGHT
-    argv = [sys.executable, "-c", CHILD, mode, str(src), str(dst), dtype or "-", mesh or "-"]
+    argv = [sys.executable, "-c", CHILD, mode, str(src), str(dst), dtype or "-", mesh or "-",
+            json.dumps(opts or {})]
     proc = subprocess.run(argv, cwd=code, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{mode} {src} dtype={dtype} mesh={mesh} failed:\n"
@@ -278,6 +288,108 @@ def write_report(results: dict) -> None:
     RESULTS_MD.write_text("\n".join(lines) + "\n")
 
 
+# --------------------------------------------------------------------------- old vs new restore
+
+RESTORE_JSON = HERE / "results" / "checkpoint" / "load_restore.json"
+RESTORE_MD = HERE / "results" / "checkpoint" / "load_restore.md"
+# A LLaDA-shaped bfloat16 model of about 130 MB: 4 layers, d_model 256, LLaDA's vocabulary.
+SMALL = dict(layers=4, d_model=256, n_heads=4, mlp_hidden_size=1024, vocab=126464)
+# (label, options for load): each is loaded by both trees.
+RESTORE_CASES = (("as stored", None, None, {}), ("dtype float32", "float32", None, {}),
+                 ("verify off", None, None, {"verify": False}),
+                 ("quantize int8", None, None, {"quantize": "int8"}),
+                 ("scan_layers flipped", None, None, {"scan_layers": "flip"}),
+                 ("mesh tensor=8", None, "tensor=8", {}))
+
+
+def _git(code: pathlib.Path, *argv) -> str:
+    return subprocess.run(["git", "-C", str(code), *argv], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def compare_restore(before: pathlib.Path, work: pathlib.Path, repeats: int) -> dict:
+    """Loads the tiny shipped model and a ~130 MB converted folder with the tree at
+    `before` and this tree, alternately, `repeats` times each; medians per case."""
+    import json as _json
+
+    cfg = cm.llada_config(SMALL["layers"], d_model=SMALL["d_model"], n_heads=SMALL["n_heads"],
+                          mlp_hidden_size=SMALL["mlp_hidden_size"], vocab=SMALL["vocab"])
+    src, small = work / "small-src", work / "small-bfloat16"
+    cm.write_snapshot(src, cfg)
+    run_child(REPO, "convert", src, small, "bfloat16", None)
+    shutil.rmtree(src, ignore_errors=True)
+    stored_scan = _json.loads((small / "config.json").read_text())["model"].get("scan_layers")
+    rows = []
+    for model, folder in (("tiny-llada", "tiny-llada"), ("small-130MB", small)):
+        for label, dtype, mesh, opts in RESTORE_CASES:
+            opts = dict(opts)
+            if opts.get("scan_layers") == "flip":
+                scan = stored_scan if model == "small-130MB" else _json.loads(
+                    (REPO / "asynclane_jax/testbed/models/tiny-llada/config.json").read_text()
+                )["model"].get("scan_layers")
+                opts["scan_layers"] = not scan
+            runs = {"before": [], "after": []}
+            for _ in range(repeats):
+                for which, code in (("before", before), ("after", REPO)):
+                    runs[which].append(run_child(code, "load", folder, "-", dtype, mesh, opts))
+            row = {"model": model, "case": label, "dtype": dtype, "mesh": mesh, "options": opts,
+                   "model_bytes": runs["after"][0]["model_bytes"],
+                   "largest_tensor_bytes": runs["after"][0]["largest_tensor_bytes"]}
+            for which, rs in runs.items():
+                row[which] = {"peak_minus_baseline_mb": _median(
+                                  [r["peak_mb"] - r["baseline_mb"] for r in rs]),
+                              "seconds": _median([r["seconds"] for r in rs]),
+                              "runs": rs}
+            rows.append(row)
+            print(model, label, {w: (round(row[w]["peak_minus_baseline_mb"], 1),
+                                     round(row[w]["seconds"], 2)) for w in runs}, flush=True)
+    return {"before": {"code": str(before), "commit": _git(before, "rev-parse", "HEAD")},
+            "after": {"code": "this tree", "commit": _git(REPO, "rev-parse", "HEAD"),
+                      "dirty": bool(_git(REPO, "status", "--porcelain", "--",
+                                         "asynclane_jax"))},
+            "repeats": repeats, "command": "python experiments/load_memory.py "
+            + shlex.join(sys.argv[1:]), "rows": rows}
+
+
+def write_restore_report(result: dict) -> None:
+    lines = [
+        "# Loading: the hand-built tensorstore reader (before) against orbax's public "
+        "partial restore (after)", "",
+        f"Generated by `{result['command']}`; {platform.machine()}, Python "
+        f"{platform.python_version()}, {os.cpu_count()} CPUs, CPU backend.", "",
+        f"* before: `{result['before']['code']}` at commit {result['before']['commit']} "
+        "(`checkpoint._restore_one_device` / `_ArrayReader` on one device, orbax's "
+        "restore on a mesh)",
+        f"* after: this tree at commit {result['after']['commit']}"
+        + (" (with uncommitted changes under asynclane_jax/)" if result["after"]["dirty"]
+           else "") + " (`checkpoint.restore.restore_stored`, then "
+        "`checkpoint.transform`)", "",
+        f"Each cell is the median of {result['repeats']} fresh processes, run alternately "
+        "(before, after, before, ...): peak RSS (`ru_maxrss`) minus the RSS after imports "
+        "and backend start, and the seconds `asynclane_jax.load` took. tiny-llada is the "
+        "shipped model; small-130MB is a 4-layer LLaDA-shaped bfloat16 folder (d_model "
+        "256, vocabulary 126,464: most of it the embedding and the output head) converted by `checkpoints_convert`. Digests are checked "
+        "(the default) unless the case says *verify off*; *mesh* runs on 8 fake CPU "
+        "devices.", "",
+        "| model | case | model MiB | largest tensor MiB | before: peak - baseline MiB | "
+        "after: peak - baseline MiB | before s | after s |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        b, a = r["before"], r["after"]
+        lines.append(f"| {r['model']} | {r['case']} | {_mib(r['model_bytes'])} | "
+                     f"{r['largest_tensor_bytes'] / 2**20:,.1f} | "
+                     f"{b['peak_minus_baseline_mb']:,.1f} | {a['peak_minus_baseline_mb']:,.1f} | "
+                     f"{b['seconds']:.2f} | {a['seconds']:.2f} |")
+    RESTORE_MD.parent.mkdir(parents=True, exist_ok=True)
+    RESTORE_MD.write_text("\n".join(lines) + "\n")
+    RESTORE_JSON.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default="after")
@@ -288,7 +400,22 @@ def main() -> int:
                     help="comma-separated subset of convert,load,load+mesh")
     ap.add_argument("--code-note", default=None, help="what --code is, for the report")
     ap.add_argument("--no-save", action="store_true", help="print only")
+    ap.add_argument("--compare-restore", default=None, metavar="DIR",
+                    help="instead: load the tiny model and a ~130 MB folder with the tree "
+                         "at DIR and this tree alternately; writes "
+                         "results/checkpoint/load_restore.md")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.compare_restore:
+        work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="load_restore-", dir="/tmp"))
+        try:
+            result = compare_restore(pathlib.Path(args.compare_restore).resolve(), work,
+                                     args.repeats)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        if not args.no_save:
+            write_restore_report(result)
+        return 0
     code = pathlib.Path(args.code).resolve()
     work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="load_memory-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)

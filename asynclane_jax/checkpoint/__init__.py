@@ -5,9 +5,9 @@ digests.json (a digest of every stored array) and the tokenizer files (`format`)
 same loader serves the shipped tiny models (by name) and converted 8B checkpoints.
 
 Modules: `format` (file names, config.json, CheckpointError), `registry` (shipped
-models), `integrity` (signal-safe writes, digests, verify), `save`, `restore` (arrays
-as stored, through orbax's public restore), `transform` (dtype, int8, layer layout,
-placement), `load` (the two put together), `tokenizer`.
+models), `integrity` (signal-safe writes, digests), `verify` (a folder on demand),
+`save`, `restore` (arrays as stored, through orbax's public restore), `transform`
+(dtype, int8, layer layout, placement), `load` (the two put together), `tokenizer`.
 """
 
 from asynclane_jax.checkpoint.format import (
@@ -24,7 +24,7 @@ from asynclane_jax.checkpoint.format import (
     CheckpointError,
     flat_arrays,
     printable,
-    read_config,
+    read_config_file,
     stored_quantization,
     write_config,
 )
@@ -36,15 +36,14 @@ from asynclane_jax.checkpoint.integrity import (
     array_digest,
     digest_entry,
     read_digests,
-    record_digests,
     remove_tree,
     signals_held,
-    verify_folder,
     write_digests,
 )
 from asynclane_jax.checkpoint.load import load, load_model, restore_params
 from asynclane_jax.checkpoint.registry import (
     BUILTIN_MODELS_DIR,
+    read_config,
     register_shipped,
     resolve,
     shipped_models,
@@ -58,6 +57,7 @@ from asynclane_jax.checkpoint.tokenizer import (
     load_tokenizer,
 )
 from asynclane_jax.checkpoint.transform import relayout_params
+from asynclane_jax.checkpoint.verify import record_digests, verify_folder
 
 __all__ = [
     "BUILTIN_MODELS_DIR", "COMMIT_MARKER", "COMMIT_MARKER_TEXT", "CONFIG_FILE",
@@ -65,7 +65,8 @@ __all__ = [
     "FORMAT_VERSION", "INT8_OUT_IN_KEY", "PARAMS_DIR", "QUANTIZATION_KEY", "TOKENIZER_FILES",
     "VERIFY_ENV", "CheckpointError", "array_digest", "check_chat_template",
     "copy_tokenizer_files", "digest_entry", "flat_arrays", "load", "load_model",
-    "load_tokenizer", "params_to_numpy", "printable", "read_config", "read_digests",
+    "load_tokenizer", "params_to_numpy", "printable", "read_config", "read_config_file",
+    "read_digests",
     "record_digests", "register_shipped", "relayout_params", "remove_tree", "resolve",
     "restore_params", "save", "save_params", "shipped_models", "shipped_registry",
     "signals_held", "stored_quantization", "unregister_shipped", "verify_folder",

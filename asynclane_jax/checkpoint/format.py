@@ -12,7 +12,6 @@ A converted folder holds:
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
@@ -68,12 +67,10 @@ def write_config(folder: pathlib.Path, cfg: ModelConfig, hf_config: dict | None,
     (folder / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """Reads a converted folder's config.json; returns (ModelConfig, the whole json)."""
-    from asynclane_jax.checkpoint.registry import resolve
-
-    folder = resolve(folder)
-    path = folder / CONFIG_FILE
+def read_config_file(folder: pathlib.Path) -> tuple[ModelConfig, dict]:
+    """Reads the config.json of a converted folder (a path; `registry.read_config` also
+    takes a shipped name); returns (ModelConfig, the whole json)."""
+    path = pathlib.Path(folder) / CONFIG_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors

@@ -2,8 +2,8 @@
 a digest of every stored array (digests.json), and the checks against it.
 
 `load` checks each array against its digest as it is read (`verify=False` or
-ASYNCLANE_VERIFY=0 to skip); `verify_folder` (`asynclane-jax verify DIR`) checks a
-folder on demand.
+ASYNCLANE_VERIFY=0 to skip); `verify.verify_folder` (`asynclane-jax verify DIR`) checks
+a folder on demand.
 """
 
 from __future__ import annotations
@@ -22,13 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from asynclane_jax.checkpoint.format import (
-    DIGESTS_FILE,
-    PARAMS_DIR,
-    CheckpointError,
-    read_config,
-)
-from asynclane_jax.checkpoint.registry import resolve
+from asynclane_jax.checkpoint.format import DIGESTS_FILE, CheckpointError
 
 DIGESTS_FORMAT = "asynclane-jax-digests"
 # sha256 over the concatenated sha256 digests of the array's bytes in chunks of this size
@@ -180,71 +174,3 @@ def corrupt_message(params_dir: pathlib.Path, names: list[str]) -> str:
     return (f"{params_dir.parent} is corrupt: parameter{'s' if len(names) > 1 else ''} "
             f"{shown} differ{'' if len(names) > 1 else 's'} from the digest recorded when the "
             f"folder was written ({DIGESTS_FILE}); convert or copy the model again")
-
-
-def mismatched_arrays(params_dir: pathlib.Path, digests: Mapping[str, dict], *,
-                      first_only: bool = False) -> list[str]:
-    """The names of the stored arrays whose bytes do not match their digests (each read
-    whole in its stored dtype, about one at a time)."""
-    from asynclane_jax.checkpoint.restore import read_stored
-
-    bad = []
-    for name, array in read_stored(params_dir, sorted(digests)):
-        ok = (not isinstance(array, CheckpointError)
-              and array_digest(array) == digests[name]["digest"])
-        if not ok:
-            bad.append(name)
-            if first_only:
-                break
-    return bad
-
-
-# --------------------------------------------------------------------------- on demand
-
-def verify_folder(folder: str | os.PathLike) -> int:
-    """Checks a converted folder on demand: its config, that its parameters fit the
-    config, and every stored array against digests.json.
-
-    Returns:
-      The number of arrays checked.
-    Raises:
-      CheckpointError naming every array that differs from its digest (or the first
-      problem found with the config, the parameters or digests.json).
-    """
-    from asynclane_jax.checkpoint import restore
-    from asynclane_jax.models.model import abstract_model
-
-    folder = resolve(folder)
-    cfg, _ = read_config(folder)
-    digests = read_digests(folder)
-    if digests is None:
-        raise CheckpointError(f"{folder} has no {DIGESTS_FILE} (written before digests were "
-                              "recorded): there is nothing to check it against; convert it "
-                              "again to get one")
-    params_dir = folder / PARAMS_DIR
-    stored = restore.stored_arrays(params_dir)
-    restore.check_shapes(params_dir, stored, restore.model_shapes(abstract_model(cfg)))
-    check_listing(params_dir, digests, stored)
-    bad = mismatched_arrays(params_dir, digests)
-    if bad:
-        raise CheckpointError(corrupt_message(params_dir, bad))
-    return len(digests)
-
-
-def record_digests(folder: str | os.PathLike) -> int:
-    """Writes digests.json for a folder that has none, from its arrays as they are now
-    (for folders written before digests were recorded, e.g. the shipped models): the
-    same `digest_entry` the converter records. Returns the number of arrays.
-    """
-    from asynclane_jax.checkpoint.restore import read_stored, stored_arrays
-
-    folder = resolve(folder)
-    read_config(folder)
-    params_dir = folder / PARAMS_DIR
-    entries = {}
-    for name, array in read_stored(params_dir, sorted(stored_arrays(params_dir))):
-        if isinstance(array, CheckpointError):
-            raise array
-        entries[name] = digest_entry(array)
-    write_digests(folder, entries)
-    return len(entries)

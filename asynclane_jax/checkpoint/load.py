@@ -24,13 +24,12 @@ from asynclane_jax.checkpoint.format import (
     CheckpointError,
     flat_arrays,
     nest,
-    read_config,
     restore_keys,
     stored_quantization,
     str_keys,
 )
 from asynclane_jax.checkpoint.integrity import read_digests, verify_by_default
-from asynclane_jax.checkpoint.registry import resolve
+from asynclane_jax.checkpoint.registry import read_config, resolve
 from asynclane_jax.checkpoint.restore import restore_stored
 from asynclane_jax.checkpoint.tokenizer import load_tokenizer
 from asynclane_jax.models import quantize as quantize_lib
@@ -114,14 +113,17 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
     model_cfg = cfg if scan_layers is None else cfg.replace(scan_layers=bool(scan_layers))
-    # The model: its layout, and int8 if stored so or asked for.
-    graphdef, abs_state, target = _abstract(model_cfg, mesh, stored_mode or mode)
+    # The model: its layout, and int8 if stored so or asked for; the float targets too.
+    graphdef, abs_state, target, float_target = _abstract(model_cfg, mesh, stored_mode or mode)
     out_in = (quantize_lib.out_in_layers(nnx.merge(graphdef, abs_state))
               if stored_mode or mode else ())
     if stored_mode is not None:
         _check_int8_layout(folder, data, out_in)
     # What the folder stores (its layout and quantization), in the model's dtype.
-    as_stored = flat_arrays(_abstract(cfg, mesh, stored_mode)[2])
+    if cfg.scan_layers == model_cfg.scan_layers:
+        as_stored = flat_arrays(target if stored_mode else float_target)
+    else:
+        as_stored = flat_arrays(_abstract(cfg, mesh, stored_mode)[2])
     to_model = functools.partial(
         transform_lib.to_model, dtypes={k: t.dtype for k, t in as_stored.items()},
         quantize_out_in=frozenset(out_in) if stored_mode is None and mode is not None else None)
@@ -168,14 +170,16 @@ def restore_params(params_dir: pathlib.Path, target: dict, *,
 
 
 def _abstract(cfg: ModelConfig, mesh, quantization: str | None):
-    """(graphdef, abstract state, target) of the model `cfg` describes, int8 with
-    `quantization`; the target holds a ShapeDtypeStruct with its sharding for every
-    parameter (string keys)."""
-    model = abstract_model(cfg)
+    """(graphdef, abstract state, target, float target) of the model `cfg` describes,
+    int8 with `quantization`; a target holds a ShapeDtypeStruct with its sharding for
+    every parameter (string keys), the float target those of the float model."""
+    graphdef, abs_state = nnx.split(abstract_model(cfg))
+    float_target = target = _target(cfg, abs_state, mesh)
     if quantization is not None:
-        model = quantize_lib.abstract_quantized(model, quantization)
-    graphdef, abs_state = nnx.split(model)
-    return graphdef, abs_state, _target(cfg, abs_state, mesh)
+        graphdef, abs_state = nnx.split(quantize_lib.abstract_quantized(
+            nnx.merge(graphdef, abs_state), quantization))
+        target = _target(cfg, abs_state, mesh)
+    return graphdef, abs_state, target, float_target
 
 
 def _target(cfg: ModelConfig, abs_state: nnx.State, mesh) -> dict:

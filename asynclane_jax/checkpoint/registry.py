@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import pathlib
 
-from asynclane_jax.checkpoint.format import CONFIG_FILE, CheckpointError, read_config
-from asynclane_jax.models.config import show
+from asynclane_jax.checkpoint.format import CONFIG_FILE, CheckpointError, read_config_file
+from asynclane_jax.models.config import ModelConfig, show
 
 # Folder whose converted subfolders are the built-in shipped models, named by folder
 # (the testbed's tiny models). It is listed on every lookup, not once at import, so a
@@ -52,7 +52,7 @@ def register_shipped(name: str, folder: str | os.PathLike, *, replace: bool = Fa
     path = pathlib.Path(folder).expanduser().absolute()
     if not (path / CONFIG_FILE).is_file():
         raise CheckpointError(f"{path} is not a converted model folder (no {CONFIG_FILE})")
-    read_config(path)  # refuses a Hugging Face snapshot or a malformed config now
+    read_config_file(path)  # refuses a Hugging Face snapshot or a malformed config now
     current = shipped_registry().get(name)
     if current is not None and current.absolute() != path and not replace:
         raise CheckpointError(f"shipped model {name!r} is already {current}; pass "
@@ -93,3 +93,9 @@ def _resolve(path_or_name: str | os.PathLike) -> pathlib.Path:
     raise CheckpointError(
         f"no model {str(path_or_name)!r}: not a folder, and not a shipped model "
         f"(shipped: {shipped_models() or 'none'})")
+
+
+def read_config(folder: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Reads the config.json of a converted folder or shipped model; returns
+    (ModelConfig, the whole json)."""
+    return read_config_file(resolve(folder))

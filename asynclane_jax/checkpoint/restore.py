@@ -32,12 +32,7 @@ import jax
 import numpy as np
 
 from asynclane_jax.checkpoint.format import CheckpointError, flat_arrays, nest, str_keys
-from asynclane_jax.checkpoint.integrity import (
-    array_digest,
-    check_listing,
-    corrupt_message,
-    mismatched_arrays,
-)
+from asynclane_jax.checkpoint.integrity import array_digest, check_listing, corrupt_message
 
 # Small arrays are restored together up to this many bytes (or the largest array's,
 # whichever is more): one orbax restore has a fixed cost, which a model of many small
@@ -172,6 +167,21 @@ def read_stored(params_dir: pathlib.Path, names: Iterable[str], *,
                 continue
             for name in group:
                 yield name, arrays.pop(name)
+
+
+def mismatched_arrays(params_dir: pathlib.Path, digests: Mapping[str, dict], *,
+                      first_only: bool = False) -> list[str]:
+    """The names of the stored arrays whose bytes do not match their digests (each read
+    whole in its stored dtype, about one at a time)."""
+    bad = []
+    for name, array in read_stored(params_dir, sorted(digests)):
+        ok = (not isinstance(array, CheckpointError)
+              and array_digest(array) == digests[name]["digest"])
+        if not ok:
+            bad.append(name)
+            if first_only:
+                break
+    return bad
 
 
 def restore_stored(params_dir: pathlib.Path, shardings: Mapping[str, Any], *,
