@@ -195,7 +195,8 @@ copying the whole array first: +1.0 (float32) largest tensor.
 
 **After.**
 
-* Without a mesh (`checkpoint._restore_one_device`): one array at a time, tensorstore
+* Without a mesh (the one-device reader of the old `checkpoint.py`, since replaced:
+  results/checkpoint/load_restore.md): one array at a time, tensorstore
   reads (and casts, for a dtype override) straight into a 64-byte-aligned host buffer
   that `jax.device_put` adopts without copying on the CPU backend (one copy to the
   device elsewhere); the buffer is dropped before the next array. Peak: the model plus
@@ -373,7 +374,8 @@ def write_restore_report(result: dict) -> None:
         "(before, after, before, ...): peak RSS (`ru_maxrss`) minus the RSS after imports "
         "and backend start, and the seconds `asynclane_jax.load` took. tiny-llada is the "
         "shipped model; small-130MB is a 4-layer LLaDA-shaped bfloat16 folder (d_model "
-        "256, vocabulary 126,464: most of it the embedding and the output head) converted by `checkpoints_convert`. Digests are checked "
+        "256, vocabulary 126,464: most of it the embedding and the output head) "
+        "converted by `checkpoints_convert`. Digests are checked "
         "(the default) unless the case says *verify off*; *mesh* runs on 8 fake CPU "
         "devices.", "",
         "| model | case | model MiB | largest tensor MiB | before: peak - baseline MiB | "

@@ -1,8 +1,8 @@
 """What this package relies on in its dependencies beyond their public API, checked so
 that an upgrade which moves it fails here, naming what moved, rather than somewhere deep.
 
-* orbax: the shipped models are orbax checkpoints (its on-disk format), the one-device
-  loader builds tensorstore specs with orbax's public `type_handlers`, and
+* orbax: the shipped models are orbax checkpoints (its on-disk format), read and written
+  through its public API only (`asynclane_jax.checkpoint.restore` / `save`), and
   tests/checkpoint/test_checkpoint_memory.py patches two private names in `orbax.checkpoint._src`.
 * safetensors: `checkpoints_convert.reader` parses safetensors files by hand (8-byte
   little-endian header length, JSON header, raw data) instead of through the package.
@@ -60,8 +60,8 @@ def test_relied_on_dependencies_are_pinned_and_installed_in_range():
         assert req.specifier.contains(installed, prereleases=True), (
             f"{name} {installed} is installed, outside pyproject.toml's {req.specifier}"
             + (f": {RELIED_ON[name]} may have moved; rerun tests/project/test_dependencies.py, "
-               "tests/checkpoint/test_checkpoint_memory.py and tests/checkpoint/test_convert.py before widening "
-               "the pin" if name in RELIED_ON else ""))
+               "tests/checkpoint/test_checkpoint_memory.py and tests/checkpoint/test_convert.py "
+               "before widening the pin" if name in RELIED_ON else ""))
 
 
 # --------------------------------------------------------------------------- orbax
@@ -80,8 +80,8 @@ def test_orbax_private_names_the_tests_patch_still_exist():
             continue
         if not hasattr(mod, attr):
             moved.append(f"{module}.{attr}")
-    assert not moved, ("orbax private names used by tests/checkpoint/test_checkpoint_memory.py moved: "
-                       + "; ".join(moved) + f" (orbax-checkpoint "
+    assert not moved, ("orbax private names used by tests/checkpoint/test_checkpoint_memory.py "
+                       "moved: " + "; ".join(moved) + f" (orbax-checkpoint "
                        f"{importlib.metadata.version('orbax-checkpoint')})")
 
 
@@ -107,18 +107,19 @@ def test_orbax_public_api_the_loader_uses():
 
     th = ocp.type_handlers
     missing = [f"ocp.type_handlers.{n}" for n in
-               ("get_json_tspec_read", "get_cast_tspec_deserialize", "get_ts_context",
-                "is_ocdbt_checkpoint", "ParamInfo", "NumpyHandler", "ArrayHandler",
-                "create_type_handler_registry") if not hasattr(th, n)]
+               ("NumpyHandler", "ArrayHandler", "create_type_handler_registry")
+               if not hasattr(th, n)]
+    missing += [f"ocp.{n}" for n in ("Checkpointer", "PyTreeCheckpointHandler", "RestoreArgs",
+                                     "ArrayRestoreArgs") if not hasattr(ocp, n)]
     assert not missing, f"orbax public API used by asynclane_jax.checkpoint moved: {missing}"
     wanted = {
-        th.ParamInfo: ("name", "parent_dir", "is_ocdbt_checkpoint", "use_zarr3",
-                       "ts_context"),
         th.NumpyHandler: ("deepcopy_host_arrays",),
         ocp.PyTreeCheckpointHandler: ("type_handler_registry", "use_compression",
                                       "restore_concurrent_gb"),
         ocp.args.PyTreeSave: ("ocdbt_target_data_file_size",),
-        ocp.ArrayRestoreArgs: ("sharding", "global_shape", "dtype"),
+        ocp.args.PyTreeRestore: ("item", "restore_args", "partial_restore"),
+        ocp.RestoreArgs: ("restore_type",),
+        ocp.ArrayRestoreArgs: ("sharding", "global_shape"),
     }
     lost = [f"{cls.__name__}({p}=)" for cls, params in wanted.items() for p in params
             if p not in inspect.signature(cls).parameters]
@@ -155,7 +156,7 @@ def test_orbax_writes_the_format_of_the_shipped_models(tmp_path):
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    for sharding in (single, rep):  # the one-device reader and orbax's restore
+    for sharding in (single, rep):  # host reads placed on a device; reads into shards
         back = checkpoint.restore_params(tmp_path / "p", {
             "a": {"w": jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=sharding)},
             "b": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)})
