@@ -226,10 +226,14 @@ def restore_stored(params_dir: pathlib.Path, shardings: Mapping[str, Any], *,
     return out
 
 
+def _on_cpu(array: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in array.devices())
+
+
 def _restore_on_one_device(params_dir, names, stored, shardings, digests,
                            transform: Transform) -> dict[str, Any]:
-    """Host reads, each array hashed (one hash in flight: a stored array is kept at most
-    until the next has been read) and placed on its device before the next."""
+    """Host reads, each array placed on its device and hashed (one hash in flight: a
+    stored array is kept at most until the next has been read) before the next."""
     pending: list[tuple[str, concurrent.futures.Future]] = []
 
     def check_pending() -> None:
@@ -243,10 +247,14 @@ def _restore_on_one_device(params_dir, names, stored, shardings, digests,
         for name, array in read_stored(params_dir, names, stored=stored):
             if isinstance(array, CheckpointError):
                 raise array
+            placed = jax.device_put(array, shardings[name]).block_until_ready()
             if digests is not None:
                 check_pending()
-                pending.append((name, hasher.submit(array_digest, array)))
-            placed = jax.device_put(array, shardings[name]).block_until_ready()
+                # On the CPU backend the device buffer is host memory: hash that (a view)
+                # so the read buffer can go now; elsewhere hash the host copy.
+                host = np.asarray(placed) if _on_cpu(placed) else array
+                pending.append((name, hasher.submit(array_digest, host)))
+                del host
             del array
             out[name] = transform(name, placed)
         if digests is not None:
