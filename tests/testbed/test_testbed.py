@@ -76,6 +76,7 @@ def _tiny(family):
                 eval_every_s=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_a_few_training_steps_lower_the_loss(family):
     tc = _tiny(family)
