@@ -257,6 +257,7 @@ def _restore_on_one_device(params_dir, names, stored, shardings, digests,
                 del host
             del array
             out[name] = transform(name, placed)
+            del placed  # the stored array, if the transform made another
         if digests is not None:
             check_pending()
     return out
