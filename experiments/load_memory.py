@@ -25,7 +25,7 @@ starting the backend, before any work):
 
 `--code DIR` runs the children against another source tree (e.g. `git archive HEAD`
 unpacked in /tmp) to measure "before"; results are stored per `--label` in
-experiments/results/load_memory.json and load_memory.md shows every label.
+experiments/results/checkpoint/load_memory.json and load_memory.md shows every label.
 
 `--compare-restore DIR` instead loads the shipped tiny model and a ~130 MB converted
 folder with the tree at DIR and with this tree, alternately, in several cases (dtype
@@ -60,8 +60,8 @@ sys.path.insert(0, str(HERE))
 import convert_memory as cm  # noqa: E402
 
 REPO = HERE.parent
-RESULTS_JSON = HERE / "results" / "load_memory.json"
-RESULTS_MD = HERE / "results" / "load_memory.md"
+RESULTS_JSON = HERE / "results" / "checkpoint" / "load_memory.json"
+RESULTS_MD = HERE / "results" / "checkpoint" / "load_memory.md"
 LAYERS = 2
 MESHES = ("tensor=8", "data=2,tensor=4")
 EIGHT = "--xla_force_host_platform_device_count=8"
