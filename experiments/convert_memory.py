@@ -8,7 +8,7 @@ the output size plus one tensor (plus the interpreter / JAX / orbax baseline), n
 twice the model.
 
 Usage: python experiments/convert_memory.py [--workdir DIR] [--layers N] [--keep]
-Writes experiments/results/convert_memory.md.
+Writes experiments/results/checkpoint/convert_memory.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import textwrap
 
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "convert_memory.md"
+RESULTS = pathlib.Path(__file__).parent / "results" / "checkpoint" / "convert_memory.md"
 
 
 def llada_config(layers: int, *, d_model: int = 1024, n_heads: int = 8,
