@@ -2,9 +2,9 @@
 
 A load is a restore followed by one transform step: `restore.restore_stored` reads the
 arrays as the folder stores them (its dtype, layer layout and quantization) straight
-into the sharding plan of that layout, and `transform.to_model` turns each into what
-the model asks for as soon as it is on its device; the layer layout and the final
-placement follow (`transform.relayout_params`, `transform.place`).
+into the sharding plan of that layout, handing each to `transform.cast` (the model's
+dtype) and `transform.quantize_kernel` (quantize-on-read) as it goes; the layer layout
+and the final placement follow (`transform.relayout_params`, `transform.place`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
     Args:
       folder: a converted folder or a shipped model name.
       dtype: override the stored compute/param dtype ("float32", "bfloat16"); each
-        tensor is cast on its device(s) as soon as it is read.
+        tensor is cast as soon as it is read (on one device, on the host before it is
+        placed; on a mesh, on its devices).
       mesh: place the parameters on a mesh: a `jax.sharding.Mesh` with the axes
         `sharding.MESH_AXES`, or a spec such as "data=2,tensor=4" (see
         `sharding.make_mesh`). Each parameter is then restored into its shards of
@@ -124,13 +125,14 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         as_stored = flat_arrays(target if stored_mode else float_target)
     else:
         as_stored = flat_arrays(_abstract(cfg, mesh, stored_mode)[2])
-    to_model = functools.partial(
-        transform_lib.to_model, dtypes={k: t.dtype for k, t in as_stored.items()},
-        quantize_out_in=frozenset(out_in) if stored_mode is None and mode is not None else None)
+    cast = functools.partial(transform_lib.cast,
+                             dtypes={k: t.dtype for k, t in as_stored.items()})
+    quantize = (functools.partial(transform_lib.quantize_kernel, out_in=frozenset(out_in))
+                if stored_mode is None and mode is not None else None)
     arrays = restore_stored(folder / PARAMS_DIR,
                             {k: t.sharding for k, t in as_stored.items()},
                             shapes={k: t.shape for k, t in as_stored.items()},
-                            digests=digests, transform=to_model)
+                            digests=digests, cast=cast, transform=quantize)
     params = transform_lib.merge_read(nest(arrays))
     del arrays
     params = transform_lib.relayout_params(params, model_cfg.n_layers, target)
@@ -159,13 +161,10 @@ def restore_params(params_dir: pathlib.Path, target: dict, *,
     flat = flat_arrays(target)
     dtypes = {k: t.dtype for k, t in flat.items()}
 
-    def cast(name, array):
-        array = transform_lib.to_model(name, array, dtypes=dtypes)
-        return array if on_read is None else on_read(name, array)
-
     arrays = restore_stored(params_dir, {k: t.sharding for k, t in flat.items()},
-                            shapes={k: t.shape for k, t in flat.items()},
-                            digests=digests, transform=cast)
+                            shapes={k: t.shape for k, t in flat.items()}, digests=digests,
+                            cast=functools.partial(transform_lib.cast, dtypes=dtypes),
+                            transform=on_read)
     return transform_lib.merge_read(nest(arrays))
 
 

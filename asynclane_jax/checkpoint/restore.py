@@ -9,14 +9,14 @@ arrays together, so a small model is one restore), so the host holds the arrays
 already placed plus about one array in flight, never a second copy of the model:
 
 * Every target on one device: the group is restored as host numpy arrays, then each is
-  checked against its digest in a background thread (one hash in flight) and put on
-  its device (adopted without a copy where the backend can), then handed to the
-  per-array transform before the next one.
+  checked against its digest in a background thread (one hash in flight), given to
+  the `cast` hook on the host, put on its device (adopted without a copy where the
+  backend can), then handed to the per-array transform before the next one.
 * Targets on a mesh: the group is restored straight into its shardings (each host reads
   only its devices' shards), with orbax's restore byte limiter sized to the largest
   stored array, so one array is read at a time (by default orbax reads them all at
-  once). With digests, every array is first read whole, one group at a time, and
-  checked.
+  once), then given to `cast` and the transform on its devices. With digests, every
+  array is first read whole, one group at a time, and checked.
 
 Measurements: experiments/results/checkpoint/load_restore.md.
 """
@@ -186,6 +186,7 @@ def mismatched_arrays(params_dir: pathlib.Path, digests: Mapping[str, dict], *,
 
 def restore_stored(params_dir: pathlib.Path, shardings: Mapping[str, Any], *,
                    shapes: Mapping[str, tuple], digests: Mapping[str, dict] | None = None,
+                   cast: Transform | None = None,
                    transform: Transform | None = None) -> dict[str, Any]:
     """Restores the arrays named in `shardings`, as stored, each into its sharding.
 
@@ -195,6 +196,9 @@ def restore_stored(params_dir: pathlib.Path, shardings: Mapping[str, Any], *,
       shapes: stored name -> the shape the model expects (checked before any read).
       digests: the folder's digests.json entries: each array is checked against its
         entry; None: no check.
+      cast: called as cast(name, array) with each array as read (after its digest is
+        taken): on one device with the host numpy array before it is placed, on a mesh
+        with the placed array; what it returns is placed / kept instead. None: as read.
       transform: called as transform(name, array) with each array once it is on its
         device(s); what it returns takes the array's place. On one device the next array
         is read only then.
@@ -209,9 +213,11 @@ def restore_stored(params_dir: pathlib.Path, shardings: Mapping[str, Any], *,
     if digests is not None:
         check_listing(params_dir, digests, stored)
     names = sorted(shardings)
-    transform = transform or (lambda name, array: array)
+    keep = lambda name, array: array  # noqa: E731
+    cast, transform = cast or keep, transform or keep
     if all(isinstance(s, jax.sharding.SingleDeviceSharding) for s in shardings.values()):
-        return _restore_on_one_device(params_dir, names, stored, shardings, digests, transform)
+        return _restore_on_one_device(params_dir, names, stored, shardings, digests,
+                                      cast, transform)
     if digests is not None:  # orbax reads shards; check each array whole first
         bad = mismatched_arrays(params_dir, digests, first_only=True)
         if bad:
@@ -222,7 +228,7 @@ def restore_stored(params_dir: pathlib.Path, shardings: Mapping[str, Any], *,
         for group in _groups(names, stored):
             arrays = _restore_group(ckptr, params_dir, group, stored, shardings)
             for name in group:
-                out[name] = transform(name, arrays.pop(name))
+                out[name] = transform(name, cast(name, arrays.pop(name)))
     return out
 
 
@@ -231,9 +237,10 @@ def _on_cpu(array: jax.Array) -> bool:
 
 
 def _restore_on_one_device(params_dir, names, stored, shardings, digests,
-                           transform: Transform) -> dict[str, Any]:
-    """Host reads, each array placed on its device and hashed (one hash in flight: a
-    stored array is kept at most until the next has been read) before the next."""
+                           cast: Transform, transform: Transform) -> dict[str, Any]:
+    """Host reads, each array hashed (one hash in flight: a stored array is kept at
+    most until the next has been read), cast on the host and placed on its device
+    before the next."""
     pending: list[tuple[str, concurrent.futures.Future]] = []
 
     def check_pending() -> None:
@@ -247,15 +254,21 @@ def _restore_on_one_device(params_dir, names, stored, shardings, digests,
         for name, array in read_stored(params_dir, names, stored=stored):
             if isinstance(array, CheckpointError):
                 raise array
-            placed = jax.device_put(array, shardings[name]).block_until_ready()
-            if digests is not None:
+            host = cast(name, array)
+            cast_on_host = host is not array
+            if digests is not None and cast_on_host:  # hash the bytes as stored
+                check_pending()
+                pending.append((name, hasher.submit(array_digest, array)))
+            del array
+            placed = jax.device_put(host, shardings[name]).block_until_ready()
+            if digests is not None and not cast_on_host:
                 check_pending()
                 # On the CPU backend the device buffer is host memory: hash that (a view)
                 # so the read buffer can go now; elsewhere hash the host copy.
-                host = np.asarray(placed) if _on_cpu(placed) else array
-                pending.append((name, hasher.submit(array_digest, host)))
-                del host
-            del array
+                view = np.asarray(placed) if _on_cpu(placed) else host
+                pending.append((name, hasher.submit(array_digest, view)))
+                del view
+            del host
             out[name] = transform(name, placed)
             del placed  # the stored array, if the transform made another
         if digests is not None:

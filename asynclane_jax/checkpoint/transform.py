@@ -2,10 +2,11 @@
 dtypes, quantizes float kernels to int8, changes the layer layout and places each
 parameter where the model's sharding plan puts it.
 
-Per array (`to_model`, called by the restore with each array as soon as it is on its
-device): the cast to the model's dtype, then, for `quantize="int8"` on float weights,
-the kernel's quantization. Per tree, after the restore: the layer layout
-(`relayout_params`: stacked <-> per-layer, exact) and the final placement.
+Per array: `cast` to the model's dtype (the restore applies it on the host before an
+array is placed on one device, on its devices on a mesh), then `quantize_kernel` for
+`quantize="int8"` on float weights, on the array's device. Per tree, after the restore:
+the layer layout (`relayout_params`: stacked <-> per-layer, exact) and the final
+placement (`place`).
 """
 
 from __future__ import annotations
@@ -17,20 +18,40 @@ import numpy as np
 
 from asynclane_jax.models import quantize as quantize_lib
 
+# The alignment of a host buffer that the CPU backend adopts without copying it.
+HOST_ALIGN = 64
 
-def to_model(name: str, array: jax.Array, *, dtypes: Mapping[str, np.dtype],
-             quantize_out_in: frozenset | None = None):
-    """One stored array as the model wants it, on its device: cast to `dtypes[name]`
-    (round to nearest even), then with `quantize_out_in` (quantize-on-read) a linear
-    layer's kernel (every `...kernel`) becomes {"kernel": int8 values, "scale":
-    scales}, transposed for the layers named in it; any other array stays one array."""
+
+def aligned_empty(shape: tuple, dtype, align: int = HOST_ALIGN) -> np.ndarray:
+    """An uninitialised host array whose data starts on an `align`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def cast(name: str, array, *, dtypes: Mapping[str, np.dtype]):
+    """`array` in `dtypes[name]` (round to nearest even). A host numpy array is cast on
+    the host into an aligned buffer (so that placing it on the CPU backend does not copy
+    it again); a jax.Array on its device(s)."""
     want = np.dtype(dtypes[name])
-    if array.dtype != want:
-        array = array.astype(want)
-    if quantize_out_in is None or not name.endswith("kernel"):
+    if array.dtype == want:
+        return array
+    if isinstance(array, np.ndarray):
+        out = aligned_empty(array.shape, want)
+        np.copyto(out, array, casting="unsafe")
+        return out
+    return array.astype(want)
+
+
+def quantize_kernel(name: str, array: jax.Array, *, out_in: frozenset):
+    """A linear layer's kernel (every `...kernel`) as {"kernel": int8 values, "scale":
+    scales}, transposed for the layers named in `out_in`; any other array as it is."""
+    if not name.endswith("kernel"):
         return array
     values, scale = quantize_lib.quantize_array(
-        array, out_in=quantize_lib.layer_of(name) in quantize_out_in)
+        array, out_in=quantize_lib.layer_of(name) in out_in)
     return {"kernel": values, "scale": scale}
 
 
