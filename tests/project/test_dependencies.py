@@ -1,14 +1,16 @@
 """What this package relies on in its dependencies beyond their public API, checked so
 that an upgrade which moves it fails here, naming what moved, rather than somewhere deep.
 
-* orbax: the shipped models are orbax checkpoints (its on-disk format), read and written
-  through its public API only (`asynclane_jax.checkpoint.restore` / `save`), and
-  tests/checkpoint/test_checkpoint_memory.py patches two private names in `orbax.checkpoint._src`.
+* orbax: the shipped models are orbax checkpoints, read and written through its public
+  API only (`asynclane_jax.checkpoint.restore` / `save`), so the package is not pinned
+  below a release; tests/checkpoint/test_checkpoint_memory.py patches two private names
+  in `orbax.checkpoint._src`, checked here so that a release which moves them fails here.
 * safetensors: `checkpoints_convert.reader` parses safetensors files by hand (8-byte
-  little-endian header length, JSON header, raw data) instead of through the package.
+  little-endian header length, JSON header, raw data) instead of through the package:
+  pinned with an upper bound in pyproject.toml.
 
-Each of these is pinned with an upper bound in pyproject.toml; the first test checks the
-pins are there and the installed versions are inside them.
+The first test checks that the pins are there and every installed version is inside
+pyproject.toml's range.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Distribution -> what is relied on, hence why it carries an upper bound.
 RELIED_ON = {
-    "orbax-checkpoint": "the orbax on-disk format of the shipped models and private "
-                        "orbax.checkpoint._src names patched by the tests",
     "safetensors": "the safetensors file layout parsed by checkpoints_convert.reader",
 }
 
