@@ -122,19 +122,12 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         _check_int8_layout(folder, data, out_in)
     # What the folder stores (its layout and quantization), in the model's dtype.
     if cfg.scan_layers == model_cfg.scan_layers:
-        as_stored = flat_arrays(target if stored_mode else float_target)
+        as_stored = target if stored_mode else float_target
     else:
-        as_stored = flat_arrays(_abstract(cfg, mesh, stored_mode)[2])
-    cast = functools.partial(transform_lib.cast,
-                             dtypes={k: t.dtype for k, t in as_stored.items()})
+        as_stored = _abstract(cfg, mesh, stored_mode)[2]
     quantize = (functools.partial(transform_lib.quantize_kernel, out_in=frozenset(out_in))
                 if stored_mode is None and mode is not None else None)
-    arrays = restore_stored(folder / PARAMS_DIR,
-                            {k: t.sharding for k, t in as_stored.items()},
-                            shapes={k: t.shape for k, t in as_stored.items()},
-                            digests=digests, cast=cast, transform=quantize)
-    params = transform_lib.merge_read(nest(arrays))
-    del arrays
+    params = restore_params(folder / PARAMS_DIR, as_stored, digests=digests, on_read=quantize)
     params = transform_lib.relayout_params(params, model_cfg.n_layers, target)
     params = transform_lib.place(params, target)
     nnx.replace_by_pure_dict(abs_state, restore_keys(params, nnx.to_pure_dict(abs_state)))
@@ -144,27 +137,26 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
 def restore_params(params_dir: pathlib.Path, target: dict, *,
                    digests: Mapping[str, dict] | None = None, on_read=None) -> dict:
     """Restores an orbax checkpoint of arrays into `target`'s shapes, dtypes, shardings:
-    each array is restored as stored (`restore.restore_stored`), then cast to its
-    target's dtype on its device(s).
+    each array is restored as stored (`restore.restore_stored`) and cast to its target's
+    dtype (`transform.cast`: on one device on the host before it is placed, on a mesh
+    on its devices).
 
     Args:
       params_dir: the checkpoint (a converted folder's params/).
       target: nested dict of jax.ShapeDtypeStruct with a sharding each (string keys).
       digests: the folder's digests.json entries: each array is checked against its
         entry as stored (before any dtype cast); None: no check.
-      on_read: called as on_read(name, array) with each array once cast (name as in
-        digests.json); what it returns takes the array's place, and a dict it returns
+      on_read: called as on_read(name, array) with each array once cast and placed
+        (name as in digests.json); what it returns takes the array's place, and a dict it returns
         is put beside it (`transform.merge_read`). None: the arrays as cast.
     Returns:
       The nested dict of jax.Arrays (string keys).
     """
     flat = flat_arrays(target)
-    dtypes = {k: t.dtype for k, t in flat.items()}
-
+    cast = functools.partial(transform_lib.cast, dtypes={k: t.dtype for k, t in flat.items()})
     arrays = restore_stored(params_dir, {k: t.sharding for k, t in flat.items()},
                             shapes={k: t.shape for k, t in flat.items()}, digests=digests,
-                            cast=functools.partial(transform_lib.cast, dtypes=dtypes),
-                            transform=on_read)
+                            cast=cast, transform=on_read)
     return transform_lib.merge_read(nest(arrays))
 
 
