@@ -49,6 +49,7 @@ import pathlib
 import platform
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -308,29 +309,22 @@ def _git(code: pathlib.Path, *argv) -> str:
                           text=True).stdout.strip()
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
-
-
 def compare_restore(before: pathlib.Path, work: pathlib.Path, repeats: int) -> dict:
     """Loads the tiny shipped model and a ~130 MB converted folder with the tree at
     `before` and this tree, alternately, `repeats` times each; medians per case."""
-    import json as _json
-
     cfg = cm.llada_config(SMALL["layers"], d_model=SMALL["d_model"], n_heads=SMALL["n_heads"],
                           mlp_hidden_size=SMALL["mlp_hidden_size"], vocab=SMALL["vocab"])
     src, small = work / "small-src", work / "small-bfloat16"
     cm.write_snapshot(src, cfg)
     run_child(REPO, "convert", src, small, "bfloat16", None)
     shutil.rmtree(src, ignore_errors=True)
-    stored_scan = _json.loads((small / "config.json").read_text())["model"].get("scan_layers")
+    stored_scan = json.loads((small / "config.json").read_text())["model"].get("scan_layers")
     rows = []
     for model, folder in (("tiny-llada", "tiny-llada"), ("small-130MB", small)):
         for label, dtype, mesh, opts in RESTORE_CASES:
             opts = dict(opts)
             if opts.get("scan_layers") == "flip":
-                scan = stored_scan if model == "small-130MB" else _json.loads(
+                scan = stored_scan if model == "small-130MB" else json.loads(
                     (REPO / "asynclane_jax/testbed/models/tiny-llada/config.json").read_text()
                 )["model"].get("scan_layers")
                 opts["scan_layers"] = not scan
@@ -342,9 +336,9 @@ def compare_restore(before: pathlib.Path, work: pathlib.Path, repeats: int) -> d
                    "model_bytes": runs["after"][0]["model_bytes"],
                    "largest_tensor_bytes": runs["after"][0]["largest_tensor_bytes"]}
             for which, rs in runs.items():
-                row[which] = {"peak_minus_baseline_mb": _median(
+                row[which] = {"peak_minus_baseline_mb": statistics.median(
                                   [r["peak_mb"] - r["baseline_mb"] for r in rs]),
-                              "seconds": _median([r["seconds"] for r in rs]),
+                              "seconds": statistics.median([r["seconds"] for r in rs]),
                               "runs": rs}
             rows.append(row)
             print(model, label, {w: (round(row[w]["peak_minus_baseline_mb"], 1),
