@@ -6,9 +6,9 @@ test parses every module of `asynclane_jax/` and `checkpoints_convert/` with `as
 fails, naming file:line and the text, when a docstring (module, class, function) or an
 argparse `help=` / `description=` / `epilog=` string holds a measured figure:
 
-* a ratio: a number followed by `x` or `×` (`1.35x`, `0.94x`; `2x2` and `9 x` are not);
-* a percentage: a number followed by `%` (`95.8%`, `12 %`; argparse's `95%%` too), or
-  an accuracy gap in points (`7.7 points`);
+* a ratio: a number followed by `x` or `×` (`2.50x`, `0.75x`; `2x2` and `9 x` are not);
+* a percentage: a number followed by `%` (`42.5%`, `12 %`; argparse's `95%%` too), or
+  an accuracy gap in points (`3.5 points`);
 * a speed or a duration per unit: a number followed by `tok/s`, `tokens/s`,
   `tokens per second`, `it/s`, or `ms`/`s` `per` something;
 * a measured memory amount with a decimal: `5.43 GiB`, `14.2 MB`.
@@ -32,8 +32,8 @@ PACKAGES = ("asynclane_jax", "checkpoints_convert")
 
 _NUM = r"(?<![\w.])\d+(?:[.,]\d+)*"
 FIGURE = re.compile(
-    rf"{_NUM}[x×](?![\w-])"                                       # ratio: 1.35x
-    rf"|{_NUM}\s?%(?![(\w])"                                     # percentage: 95.8%
+    rf"{_NUM}[x×](?![\w-])"                                       # ratio: 2.50x
+    rf"|{_NUM}\s?%(?![(\w])"                                     # percentage: 42.5%
     rf"|{_NUM}\s?(?:tok/s|tokens?/s|tokens? per second|it/s)"    # speed
     rf"|{_NUM}\s?(?:ms|s|seconds?) per\b"                        # time per unit
     rf"|{_NUM}\s?(?:percentage )?points?\b"                      # accuracy gap
@@ -96,8 +96,8 @@ def figures_in(path: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize(
     "text",
-    ["1.35x faster", "0.94x", "7.7 points short", "95.8%", "12 %", "95%% of answers",
-     "1901 tokens/s", "2,018 tok/s", "3.1 ms per call", "5.43 GiB", "14.26 GiB peak"])
+    ["2.50x faster", "0.75x", "3.5 points short", "42.5%", "12 %", "40%% of answers",
+     "1234 tokens/s", "1,234 tok/s", "2.5 ms per call", "1.25 GiB", "3.75 GiB peak"])
 def test_pattern_catches_figures(text):
     assert FIGURE.search(text), text
 
