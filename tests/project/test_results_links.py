@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import pathlib
 import re
 
@@ -52,22 +51,12 @@ def as_glob(path: str) -> str:
 def resolves(path: str) -> bool:
     path = path.rstrip(".,;:)`'\"")
     if path.endswith("/") or "." not in path.rsplit("/", 1)[-1]:
-        return (ROOT / path).is_dir() or (ROOT / path).exists()
+        return (ROOT / path).exists()
     for one in expand(path):
         pattern = as_glob(one)
-        if "*" not in pattern:
-            if not (ROOT / one).exists():
-                return False
-        else:
-            parent = ROOT / pattern.rsplit("/", 1)[0]
-            name = pattern.rsplit("/", 1)[1]
-            if "*" in str(parent.relative_to(ROOT)):
-                hits = list(ROOT.glob(pattern))
-            else:
-                hits = [p for p in parent.glob("*") if fnmatch.fnmatch(p.name, name)] \
-                    if parent.is_dir() else []
-            if not hits:
-                return False
+        found = (ROOT / one).exists() if "*" not in pattern else any(ROOT.glob(pattern))
+        if not found:
+            return False
     return True
 
 
