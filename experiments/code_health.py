@@ -107,17 +107,14 @@ def installed_size(root: pathlib.Path) -> tuple[int, int] | None:
 
 
 def file_counts(root: pathlib.Path) -> dict[str, int]:
-    """Files tracked by git (or on disk, outside a checkout) under a few folders."""
+    """Files on disk: test modules (tests/, every folder), scripts (experiments/, top
+    level) and results (experiments/results/, every folder)."""
     counts = {}
-    for folder, pattern in (("tests", "test_*.py"), ("experiments", "*.py"),
-                            ("experiments/results", "*")):
+    for folder, pattern, deep in (("tests", "test_*.py", True), ("experiments", "*.py", False),
+                                  ("experiments/results", "*", True)):
         base = root / folder
-        if folder == "experiments":
-            files = [p for p in base.glob(pattern)]
-        else:
-            files = [p for p in base.rglob(pattern) if p.is_file()
-                     and "__pycache__" not in p.parts]
-        counts[folder] = len(files)
+        found = base.rglob(pattern) if deep else base.glob(pattern)
+        counts[folder] = sum(1 for p in found if p.is_file() and "__pycache__" not in p.parts)
     return counts
 
 
@@ -141,7 +138,8 @@ def report(root: pathlib.Path, wheel: bool = True) -> str:
     modules, edges = import_graph.build(root)
     upward = import_graph.upward_edges(edges)
     cycles = import_graph.strongly_connected(modules, edges)
-    longest = longest_functions(root)
+    functions = all_functions(root)
+    longest = functions[:N_LONGEST]
     dups = {t: duplicates(root / t) for t in DUPLICATE_TREES if (root / t).is_dir()}
     rev = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"],
                          capture_output=True, text=True, check=False).stdout.strip()
@@ -150,7 +148,7 @@ def report(root: pathlib.Path, wheel: bool = True) -> str:
                            capture_output=True, text=True, check=False).stdout.strip()
 
     total = sum(d["pairs"] or 0 for d in dups.values())
-    over = [f for f in all_functions(root) if f[0] > LONG_FUNCTION]
+    over = [f for f in functions if f[0] > LONG_FUNCTION]
     big = long_modules(root)
     size = installed_size(root) if wheel else None
     counts = file_counts(root)
