@@ -6,6 +6,53 @@ import dataclasses
 
 import numpy as np
 
+# The most distinct call shapes one compiled decode may make (the size of its counters).
+MAX_CALL_SHAPES = 16
+CALL_KINDS = ("full", "cached")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallShape:
+    """The static shape of one kind of model call a compiled decode makes.
+
+    Every model call of a decode is one of a few shapes fixed when the program is
+    traced (a full forward over the canvas or over its leading columns; a cached call
+    of the schedule's query count, narrow or wide, against all keys or the leading
+    ones). The decode counts the calls of each shape in its loop state
+    (`DecodeStats.shape_calls`); a cost model prices each shape once.
+
+    Attributes:
+      kind: "full" (every column of the first `queries` encoded) or "cached" (the
+        planned columns against the K/V cache).
+      rows: rows the call computes (the batch bucket; twice that with classifier-free
+        guidance), served or not.
+      queries: query columns per row.
+      keys: key columns per row the attention is computed over (the canvas T, or the
+        schedule's key bound).
+      logits: columns per row whose output head is computed.
+      cache: whether the call writes its K/V into a cache (and, cached, reads it).
+      canvas: T, the canvas length of the decode.
+    """
+
+    kind: str
+    rows: int
+    queries: int
+    keys: int
+    logits: int
+    cache: bool
+    canvas: int
+
+    def __post_init__(self):
+        if self.kind not in CALL_KINDS:
+            raise ValueError(f"call kind {self.kind!r}: expected one of {CALL_KINDS}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CallShape:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
 
 @dataclasses.dataclass
 class DecodeStats:
