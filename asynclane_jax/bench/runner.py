@@ -23,7 +23,12 @@ Row fields (one row per spec and generation length; the JSON file's `rows`):
     rows: exact at batch 1, where every call decodes one problem);
   comparison, the speed-up fields (COMPARISON_FIELDS): None here; a comparison step
     passed as `annotate` fills them (the command's is bench.compare.add_speedups, whose
-    docstring defines them).
+    docstring defines them);
+  calls: the model calls the timed decodes made, one dict per call shape (the
+    `CallShape` fields, `calls`: program calls of that shape, `row_calls`: calls
+    serving a problem, summed), from each decode's counters (`DecodeStats`);
+  projected: {chip: tokens/s} projected from `calls` by a cost model (bench.project),
+    or None when no projection was asked for.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ SPEEDUP_FIELDS = ("speedup_vs_fastest_baseline", "speedup_vs_fastest_early_stop"
 # The fields a comparison step fills (None without one).
 COMPARISON_FIELDS = ("comparison", *SPEEDUP_FIELDS, "speedup_family_vs_equal_footing")
 METRICS = ("accuracy", "tps", "nfe_per_token", "tokens_per_call", "steps", "wall_s",
-           "compile_s", "accuracy_family", "accuracy_length", "tps_family")
+           "compile_s", "accuracy_family", "accuracy_length", "tps_family", "calls",
+           "gen_tokens")
 ROW_KEYS = ("model", "sampler", "options", "gen_length", "n", "batch", "comparison",
             "accuracy", "tps", "nfe_per_token", "tokens_per_call", "steps", "wall_s",
             "compile_s", *SPEEDUP_FIELDS, "task_set", "accuracy_family",
-            "accuracy_length", "tps_family", "speedup_family_vs_equal_footing")
+            "accuracy_length", "tps_family", "speedup_family_vs_equal_footing", "calls",
+            "gen_tokens", "projected")
 
 
 class _Tally:
@@ -65,6 +72,7 @@ class _Tally:
         self.wall = self.compile = 0.0
         self.family_tokens: dict[str, int] = {}
         self.family_wall: dict[str, float] = {}
+        self.shape_calls: dict = {}  # CallShape -> [program calls, row calls]
 
     def add(self, res, ok: list[bool], groups: list[tuple[str, str]]) -> None:
         self.groups.extend(groups)
@@ -77,6 +85,10 @@ class _Tally:
             self.family_wall[family] = self.family_wall.get(family, 0.0) + share
         self.row_nfe += int(np.sum(np.asarray(st.row_nfe_full) + np.asarray(st.row_nfe_partial)))
         self.steps.extend(int(x) for x in st.row_steps)
+        for i, shape in enumerate(st.call_shapes):
+            n = self.shape_calls.setdefault(shape, [0, 0])
+            n[0] += int(st.shape_calls[i])
+            n[1] += int(np.sum(st.row_shape_calls[:, i]))
         self.ok.extend(ok)
 
     def metrics(self) -> dict:
@@ -93,6 +105,9 @@ class _Tally:
             "accuracy_length": self._by(1),
             "tps_family": {f: (self.family_tokens[f] / w if w > 0 else 0.0)
                            for f, w in self.family_wall.items()},
+            "calls": [{**shape.to_dict(), "calls": n, "row_calls": m}
+                      for shape, (n, m) in self.shape_calls.items() if n],
+            "gen_tokens": gen,
         }
 
     def _by(self, which: int) -> dict:
@@ -210,7 +225,7 @@ def run_bench(model, tokenizer, specs, gen_lengths, n, batch, progress=True, on_
                        **{k: best[k] for k in METRICS},
                        "task_set": task_set,
                        **dict.fromkeys(SPEEDUP_FIELDS),
-                       "speedup_family_vs_equal_footing": None}
+                       "speedup_family_vs_equal_footing": None, "projected": None}
                 rows.append(row)
             if annotate is not None:
                 annotate(rows)

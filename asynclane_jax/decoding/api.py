@@ -223,6 +223,10 @@ def generate(model, prompts, *, sampler: str | Schedule = DEFAULT_SAMPLER, gen_l
         compile_time=exe.compile_time if compiled else 0.0,
         decode_time=decode_time,
         hit_step_cap=bool(np.any(~np.asarray(state.finished)[real])),
+        call_shapes=exe.call_shapes,
+        shape_calls=np.asarray(state.shape_calls)[:len(exe.call_shapes)],
+        row_shape_calls=np.asarray(state.row_shape_calls)[real, :len(exe.call_shapes)],
+        row_shape_keys=np.asarray(state.row_shape_keys)[real, :len(exe.call_shapes)],
         **extra,
     )
     text = None

@@ -11,6 +11,10 @@ first call of its own shape before the loop (`Schedule.first_plan`). One iterati
   4. the driver records the step at which each generated position was committed,
      counts calls and tokens, and marks the rows the schedule says are done.
 
+Every call is one of a few static shapes (`CallShape`: full or cached, rows, queries,
+keys, logits), numbered as they are traced (`CallSites`); the loop state counts the calls
+of each shape, in total and per row, so a decode's stats say what it computed.
+
 Rows finish independently; a finished row is never served again and its canvas never
 changes. Rows that only pad a batch up to its bucket start finished.
 
@@ -37,6 +41,7 @@ from flax import nnx, struct
 
 from asynclane_jax import sharding
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
+from asynclane_jax.decoding.stats import MAX_CALL_SHAPES, CallShape
 from asynclane_jax.models.model import KVCache
 
 # Incremented each time the loop is traced; tests read it.
@@ -57,6 +62,9 @@ class DecodeState:
     nfe_full: jax.Array  # [] int32 full forwards (one call = the whole batch)
     nfe_partial: jax.Array  # [] int32 cached forwards
     tokens_processed: jax.Array  # [] int32 query positions fed to the model, real rows
+    shape_calls: jax.Array  # [S] int32 calls of each traced call shape (CallSites)
+    row_shape_calls: jax.Array  # [b, S] int32 calls of each shape that served the row
+    row_shape_keys: jax.Array  # [b, S] int32 key columns the row attended, summed
     rng: jax.Array  # PRNG key; folded with `step` each iteration, never reused
     cache: KVCache | None  # [L, b, T, K, h] x2 when the schedule caches
     sched: Any  # the schedule's own state
@@ -132,6 +140,31 @@ def branch(pred, true_fn, false_fn, state, out):
     return run_if(~jnp.asarray(pred, bool), false_fn, state, out)
 
 
+class CallSites:
+    """The call shapes of one traced decode, numbered in the order they are first
+    traced: a shape's number is its slot in the loop state's counters (at most
+    MAX_CALL_SHAPES). Tracing the same shape again gives the same number."""
+
+    def __init__(self):
+        self.shapes: list[CallShape] = []
+
+    def index(self, shape: CallShape) -> int:
+        if shape in self.shapes:
+            return self.shapes.index(shape)
+        if len(self.shapes) >= MAX_CALL_SHAPES:
+            raise SamplerError(f"a decode makes more than {MAX_CALL_SHAPES} call shapes: "
+                               f"{self.shapes + [shape]}")
+        self.shapes.append(shape)
+        return len(self.shapes) - 1
+
+
+def zero_shape_counters(b: int) -> dict:
+    """The call-shape counters of a fresh decode of b rows (DecodeState fields)."""
+    return dict(shape_calls=jnp.zeros((MAX_CALL_SHAPES,), jnp.int32),
+                row_shape_calls=jnp.zeros((b, MAX_CALL_SHAPES), jnp.int32),
+                row_shape_keys=jnp.zeros((b, MAX_CALL_SHAPES), jnp.int32))
+
+
 class ModelCalls:
     """The model calls of one decode: a full forward over the canvas (its K/V the cache
     of the rows it serves, when the schedule caches) or a cached call of the planned
@@ -141,10 +174,15 @@ class ModelCalls:
 
     While every served row's view (`Plan.visible`) lies within the schedule's static
     `key_bound`, a call reads and attends only the leading columns up to it.
+
+    Each call counts itself under its shape (`sites`), with the key columns each
+    served row attended.
     """
 
-    def __init__(self, model, schedule: Schedule, ctx: Context, pad_len, n_live):
+    def __init__(self, model, schedule: Schedule, ctx: Context, pad_len, n_live,
+                 sites: CallSites | None = None):
         self.model, self.schedule, self.ctx = model, schedule, ctx
+        self.sites = CallSites() if sites is None else sites
         self.T = T = ctx.length
         self.cols = jnp.arange(T, dtype=jnp.int32)[None, :]
         self.key_mask = self.cols >= pad_len[:, None]  # [b, T]
@@ -164,6 +202,19 @@ class ModelCalls:
         """Zero logits of a call's shape [b, n, V] float32 (n: the columns read), the
         initial value `branch` needs."""
         return jnp.zeros(self.read_columns(plan).shape + (self.vocab,), jnp.float32)
+
+    def count(self, st: DecodeState, shape: CallShape, serve, attended, other=None):
+        """The state with one call of `shape` counted (of `other` instead where the
+        traced bool other[0] holds: (pred, CallShape)); attended [b]: key columns each
+        row attended."""
+        i = self.sites.index(shape)
+        if other is not None:
+            i = jnp.where(other[0], self.sites.index(other[1]), i)
+        return st.replace(
+            shape_calls=st.shape_calls.at[i].add(1),
+            row_shape_calls=st.row_shape_calls.at[:, i].add(serve.astype(jnp.int32)),
+            row_shape_keys=st.row_shape_keys.at[:, i].add(
+                jnp.where(serve, attended, 0).astype(jnp.int32)))
 
     def keys_of(self, plan: Plan):
         if plan.visible is None:
@@ -199,6 +250,8 @@ class ModelCalls:
         T, ctx, block_ids = self.T, self.ctx, self.block_ids
         read = jnp.minimum(self.read_columns(plan), n - 1)
         keys = self.keys_of(plan)
+        b, n_read = read.shape
+        attended = jnp.sum(keys[:, :n], axis=1)
         if self.cfg_scale > 0:
             # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
             uncond = jnp.where(self.cols < ctx.prompt_len, ctx.mask_id, st.canvas)
@@ -209,19 +262,22 @@ class ModelCalls:
                 block_ids=None if block_ids is None else two(block_ids))
             cond, unc = jnp.split(both, 2, axis=0)
             # One model call (of twice the rows): counted once, its positions twice.
-            return unc + (self.cfg_scale + 1.0) * (cond - unc), st.replace(
+            shape = CallShape("full", 2 * b, T, T, n_read, False, T)
+            return unc + (self.cfg_scale + 1.0) * (cond - unc), self.count(st.replace(
                 nfe_full=st.nfe_full + 1,
                 tokens_processed=st.tokens_processed + 2 * self.n_live * T,
-                row_full=st.row_full + serve)
+                row_full=st.row_full + serve), shape, serve, attended)
         write = jnp.where(serve[:, None], self.cols[:, :n], T)  # only served rows' cache
         logits, cache = self.model.forward(
             st.canvas[:, :n], self.positions[:, :n], key_mask=keys, cache=st.cache,
             write_index=write if self.use_cache else None, logits_index=read,
             key_len=n if self.use_cache and n < T else None,
             block_ids=None if block_ids is None else block_ids[:, :n])
-        return logits, st.replace(cache=cache, nfe_full=st.nfe_full + 1,
-                                  tokens_processed=st.tokens_processed + self.n_live * n,
-                                  row_full=st.row_full + serve)
+        shape = CallShape("full", b, n, n, n_read, self.use_cache, T)
+        return logits, self.count(st.replace(
+            cache=cache, nfe_full=st.nfe_full + 1,
+            tokens_processed=st.tokens_processed + self.n_live * n,
+            row_full=st.row_full + serve), shape, serve, attended)
 
     def of_width(self, plan: Plan, serve):
         """(the plan as its full forward and narrow cached call see it, the cached call
@@ -260,15 +316,24 @@ class ModelCalls:
                 block_ids=self.block_ids)
 
         small = self.bounded(plan, serve)
+        b, Q = plan.positions.shape
+        n_read = Q if plan.logits_at is None else plan.logits_at.shape[1]
+        shape = CallShape("cached", b, Q, T, n_read, True, T)
         if small is None:
             logits, cache = call(None)(st.cache)
+            other = None
         else:  # attend only to the leading columns while every row's view is within them
             logits, cache = branch(small, call(self.bound), call(None), st.cache,
                                    self.no_logits(plan))
+            other = (small, dataclasses.replace(shape, keys=self.bound))
         n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
-        return logits, st.replace(cache=cache, nfe_partial=st.nfe_partial + 1,
-                                  tokens_processed=st.tokens_processed + n,
-                                  row_partial=st.row_partial + serve)
+        # Keys beyond a row's view are masked, so its attended columns are the same
+        # whether the call reads all T or only the leading `bound`.
+        attended = jnp.sum(self.keys_of(plan), axis=1)
+        return logits, self.count(st.replace(
+            cache=cache, nfe_partial=st.nfe_partial + 1,
+            tokens_processed=st.tokens_processed + n,
+            row_partial=st.row_partial + serve), shape, serve, attended, other)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +351,8 @@ class Loop:
 
 
 def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-               schedule: Schedule, tap=None, pieces: bool = False):
+               schedule: Schedule, tap=None, pieces: bool = False,
+               sites: CallSites | None = None):
     """The loop's pieces: (initial DecodeState, body(state) -> state, cond(state) -> bool).
 
     `decode_loop` runs them in lax.while_loop; tests and experiments drive `body` from a
@@ -306,6 +372,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
         through this one step (not supported with a schedule's `first_plan`).
       pieces: return a `Loop` whose state has made no call yet (for callers that
         decide which rows get the first call, as continuous batching does).
+      sites: where the traced call shapes are numbered (a fresh CallSites if None); a
+        caller that reports the counters passes its own and reads its shapes.
     Returns:
       (state after the schedule's first call, body, cond), or a Loop.
     """
@@ -315,7 +383,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     ctx = make_context(cfg, schedule, canvas.shape, pad_len, operands)
     P, G = ctx.prompt_len, ctx.gen_length
     use_cache = schedule.uses_cache
-    calls = ModelCalls(model, schedule, ctx, pad_len, n_live=jnp.sum(live).astype(jnp.int32))
+    calls = ModelCalls(model, schedule, ctx, pad_len, n_live=jnp.sum(live).astype(jnp.int32),
+                       sites=sites)
     sched0 = schedule.init(ctx)
     state = DecodeState(
         canvas=canvas,
@@ -328,6 +397,7 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
         nfe_full=jnp.zeros((), jnp.int32),
         nfe_partial=jnp.zeros((), jnp.int32),
         tokens_processed=jnp.zeros((), jnp.int32),
+        **zero_shape_counters(b),
         rng=rng,
         cache=KVCache.zeros(cfg, b, T) if use_cache else None,
         sched=sched0,
@@ -388,7 +458,7 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
 
 
 def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-                schedule: Schedule) -> DecodeState:
+                schedule: Schedule, sites: CallSites | None = None) -> DecodeState:
     """Runs a schedule to completion in one lax.while_loop (arguments as build_loop).
 
     Returns:
@@ -396,15 +466,15 @@ def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     """
     TRACE_COUNT["decode"] += 1
     state, body, cond = build_loop(graphdef, params, canvas, pad_len, live, rng, operands,
-                                   schedule=schedule)
+                                   schedule=schedule, sites=sites)
     return jax.lax.while_loop(cond, body, state)
 
 
 def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-                      schedule):
+                      schedule, sites: CallSites | None = None):
     """`decode_loop` without the K/V cache in the result: what `generate` compiles."""
     state = decode_loop(graphdef, params, canvas, pad_len, live, rng, operands,
-                        schedule=schedule)
+                        schedule=schedule, sites=sites)
     return state.replace(cache=None)  # large, and not needed by the caller
 
 
@@ -455,6 +525,8 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
                     row_steps=pick(fresh.row_steps, st.row_steps),
                     row_full=pick(fresh.row_full, st.row_full),
                     row_partial=pick(fresh.row_partial, st.row_partial),
+                    row_shape_calls=pick(fresh.row_shape_calls, st.row_shape_calls),
+                    row_shape_keys=pick(fresh.row_shape_keys, st.row_shape_keys),
                     sched=jax.tree.map(pick, fresh.sched, st.sched), cache=cache)
     st = loop.first_call(st, admit)
 
@@ -490,6 +562,7 @@ class Executable:
     schedule: Schedule | None = None  # what it decodes (for `compiled_programs`)
     shapes: tuple = ()  # (canvas [b, T], operand shapes) it was compiled for
     uses: int = 0  # calls served from the cache after the first
+    call_shapes: tuple[CallShape, ...] = ()  # its model calls' shapes, by counter slot
 
 
 class ProgramCache:
@@ -560,11 +633,14 @@ def _abstract_key(tree) -> tuple:
 
 
 def lower_decode(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-                 schedule: Schedule, plan: sharding.ShardingPlan | None = None):
+                 schedule: Schedule, plan: sharding.ShardingPlan | None = None,
+                 sites: CallSites | None = None):
     """The decode lowered for these arguments (arrays or ShapeDtypeStructs, placed on
     the plan's mesh when there is one), with the plan's constraints on the activations
-    and the cache. `.compile()` it for the arguments' backend."""
-    jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule))
+    and the cache. `.compile()` it for the arguments' backend. `sites` receives the
+    call shapes the trace numbered."""
+    jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule,
+                                       sites=sites))
     with sharding.use(plan):
         return jitted.lower(params, canvas, pad_len, live, rng, operands)
 
@@ -585,12 +661,13 @@ def compiled_decode(graphdef, params, canvas, pad_len, live, rng, operands=None,
     if exe is not None:
         return exe, False
     t0 = time.perf_counter()
+    sites = CallSites()
     fn = lower_decode(graphdef, params, canvas, pad_len, live, rng, operands,
-                      schedule=schedule, plan=plan).compile()
+                      schedule=schedule, plan=plan, sites=sites).compile()
     shapes = (tuple(canvas.shape),
               tuple(tuple(x.shape) for x in jax.tree.leaves(operands)))
     exe = Executable(fn=fn, compile_time=time.perf_counter() - t0, schedule=schedule,
-                     shapes=shapes)
+                     shapes=shapes, call_shapes=tuple(sites.shapes))
     PROGRAMS.put(key, exe)
     return exe, True
 

@@ -73,6 +73,12 @@ class DecodeStats:
       compiled: whether this call compiled the program (else it was reused).
       compile_time, decode_time: seconds compiling (0 when reused) and decoding.
       hit_step_cap: a row was still unfinished at the loop's step cap (a bug signal).
+      call_shapes: the shapes of the program's model calls (CallShape), in the order of
+        the counters below.
+      shape_calls: [S] calls of each shape, per batch.
+      row_shape_calls: [b, S] calls of each shape that served each row.
+      row_shape_keys: [b, S] key columns each row attended in its calls of each shape,
+        summed (at most the shape's `keys` per call: a schedule's view can hide more).
     """
 
     sampler: str
@@ -94,6 +100,25 @@ class DecodeStats:
     compile_time: float
     decode_time: float
     hit_step_cap: bool
+    call_shapes: tuple[CallShape, ...] = ()
+    shape_calls: np.ndarray | None = None
+    row_shape_calls: np.ndarray | None = None
+    row_shape_keys: np.ndarray | None = None
+
+    def calls_by_shape(self) -> list[dict]:
+        """One dict per call shape the decode made at least once: the shape's fields,
+        `calls` (per batch), `row_calls` (calls that served a row, summed over rows)
+        and `attended_keys` (key columns attended per served row and call, averaged)."""
+        out = []
+        for i, shape in enumerate(self.call_shapes):
+            calls = int(self.shape_calls[i])
+            if not calls:
+                continue
+            row_calls = int(np.sum(self.row_shape_calls[:, i]))
+            keys = int(np.sum(self.row_shape_keys[:, i]))
+            out.append({**shape.to_dict(), "calls": calls, "row_calls": row_calls,
+                        "attended_keys": keys / row_calls if row_calls else 0.0})
+        return out
 
     @property
     def wall_time(self) -> float:
@@ -121,5 +146,7 @@ class DecodeStats:
         out = {}
         for k in self.keys():
             v = self[k]
+            if k == "call_shapes":
+                v = [shape.to_dict() for shape in v]
             out[k] = v.tolist() if hasattr(v, "tolist") else v
         return out
