@@ -84,7 +84,7 @@ def test_a_horizon_has_its_bounded_shapes(tiny_llada_model):
     bound = st.prompt_bucket + 16 + 16
     bounded = [(i, s) for i, s in enumerate(st.call_shapes) if s.keys == bound]
     assert {s.kind for _, s in bounded} == {"full", "cached"}
-    for i, s in bounded:
+    for i, _ in bounded:
         if st.shape_calls[i]:
             served = st.row_shape_calls[:, i]
             assert np.all(st.row_shape_keys[:, i] <= served * bound)
