@@ -53,6 +53,13 @@ def _cmd_bench(args) -> int:
             raise UsageError(f"--tasks: {e}") from None
     if args.plot:
         _require_matplotlib("--plot")
+    chips = None
+    if args.project is not None:
+        from asynclane_jax.bench import project
+
+        chips = project.parse_chips(args.project)
+    elif args.project_model is not None:
+        raise UsageError("--project-model needs --project CHIPS")
     model_name = args.model
     model, tokenizer, _ = asynclane_jax.load(model_name, quantize=args.quantize,
                                               scan_layers=args.scan_layers)
@@ -60,24 +67,50 @@ def _cmd_bench(args) -> int:
     meta["quantize"] = args.quantize
     task_set = args.tasks or tasks.model_task_set(model_name)
     meta["task_set"] = task_set
+    # The comparison step: the rows' comparison and speed-up fields (bench.compare).
+    from asynclane_jax.bench import compare
+
+    annotate = compare.add_speedups
+    if chips is not None:
+        annotate = _with_projections(annotate, chips, model, args.project_model, meta)
 
     def on_length(rows):
         if args.json:
             runner.write_json(args.json, meta, rows)
 
-    # The comparison step: the rows' comparison and speed-up fields (bench.compare).
-    from asynclane_jax.bench import compare
-
     rows = runner.run_bench(model, tokenizer, specs, gen_lengths, args.n, args.batch,
                             progress=not args.quiet, on_length=on_length,
                             model_name=str(model_name), quantize=args.quantize,
-                            task_set=task_set, annotate=compare.add_speedups)
+                            task_set=task_set, annotate=annotate)
     table.print_table(rows, labels=compare.COMPARISON_LABELS)
+    if chips is not None:
+        print(table.PROJECTION_NOTE.format(model=meta["project_model"]))
     if args.plot:
         from asynclane_jax.bench.report import plot_rows
 
         plot_rows(rows, args.plot, meta)
     return 0
+
+
+def _with_projections(annotate, chips, model, project_model, meta):
+    """The comparison step followed by the projections of every row (bench.project);
+    records what was projected with in meta."""
+    from asynclane_jax.bench import project
+
+    cfg = project.project_model_config(project_model, model.cfg.family)
+    meta["project_model"] = project_model or project.DEFAULT_PROJECT_MODELS[model.cfg.family]
+    meta["projected"] = [project.label(c, w) for c, w in chips]
+    measure = None
+    if any(c == "cpu" for c, _ in chips):
+        from asynclane_jax.costs.measure import MeasuredCosts
+
+        measure = MeasuredCosts(model)
+
+    def step(rows):
+        annotate(rows)
+        project.add_projections(rows, chips, cfg, measure=measure)
+
+    return step
 
 
 def register(sub) -> None:
@@ -104,6 +137,16 @@ def register(sub) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="tokens/s and accuracy against gen length (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--project", default=None, metavar="CHIPS",
+                   help="also project each row's tokens/s on these chips from the model "
+                        "calls it made (comma-separated CHIP[:bf16|int8], chips cpu, v5e, "
+                        "v6e, h200; v5e defaults to int8 weights, the others to bf16; cpu "
+                        "times each call shape of this model here). Projections, not "
+                        "measurements: JSON rows hold them as \"projected\"")
+    p.add_argument("--project-model", default=None, metavar="PRESET",
+                   help="the model preset the chips are projected with (default "
+                        "llada-8b-instruct for a LLaDA-style model, dream-7b-instruct "
+                        "for a Dream-style one)")
     from asynclane_jax.models.quantize import add_flag
 
     add_flag(p)

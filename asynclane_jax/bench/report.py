@@ -10,7 +10,7 @@ bench.compare fills.
 from __future__ import annotations
 
 from asynclane_jax.bench.compare import COMPARISON_LABELS, COMPARISONS, is_study_row
-from asynclane_jax.bench.table import TABLE_HEAD, table_rows
+from asynclane_jax.bench.table import PROJECTION_NOTE, table_head, table_rows
 
 
 def to_markdown(rows: list[dict], meta: dict) -> str:
@@ -43,9 +43,11 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "compared with the (c) rows of its own footing (horizon, renew); a row "
               "with a horizon attends only to the first block_length + horizon generated "
               "positions until the window nears their end.",
-              "- asynclane rows are compared with each; `other` rows with none.", "",
-              "| " + " | ".join(TABLE_HEAD) + " |",
-              "|" + "---|" * len(TABLE_HEAD)]
+              "- asynclane rows are compared with each; `other` rows with none.", ""]
+    if meta.get("project_model"):
+        lines += [PROJECTION_NOTE.format(model=meta["project_model"]), ""]
+    head = table_head(rows)
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += [_md_row(cells) for cells in table_rows(rows, COMPARISON_LABELS)]
     lines += breakdown_markdown(rows)
     return "\n".join(lines) + "\n"

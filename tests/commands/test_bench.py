@@ -91,6 +91,12 @@ def test_run_bench_rows(tiny, batch):
         assert r["tps"] > 0 and r["wall_s"] > 0 and r["compile_s"] > 0
         assert r["nfe_per_token"] * r["tokens_per_call"] == pytest.approx(1.0)
         assert 1 <= r["steps"] <= G
+        # The calls by shape: every call that served a problem, once.
+        assert r["projected"] is None and r["calls"]
+        row_calls = sum(c["row_calls"] for c in r["calls"])
+        assert row_calls == pytest.approx(r["nfe_per_token"] * r["gen_tokens"])
+        assert {c["kind"] for c in r["calls"]} == {"full", "cached"}
+        assert all(c["rows"] == batch for c in r["calls"])
     assert rows[1]["options"]["early_stop"] is True
     assert rows[1]["speedup_vs_fastest_early_stop"] == pytest.approx(1.0)
     # The published-setting row is the baseline; the early-stop row is compared with it.
@@ -169,7 +175,7 @@ class _Spy:
         stats = types.SimpleNamespace(
             decode_time=self.seconds(variant, k), compile_time=100.0 + k,
             generated_tokens=np.full(b, 8), row_nfe_full=np.ones(b, int),
-            row_nfe_partial=np.ones(b, int), row_steps=np.full(b, 2))
+            row_nfe_partial=np.ones(b, int), row_steps=np.full(b, 2), call_shapes=())
         return types.SimpleNamespace(stats=stats, tokens=np.zeros((b, gen_length), int))
 
 

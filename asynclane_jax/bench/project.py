@@ -1,0 +1,99 @@
+"""Projected tokens/s of bench rows on other chips: each row's recorded model calls
+(`calls`, by shape) priced by the cost model (asynclane_jax.costs).
+
+A projection is not a measurement. It prices every call shape of the decodes the bench
+timed on this machine as the same call of a real preset (by default the 8B LLaDA preset
+for LLaDA-style models, the 7B Dream preset for Dream-style ones) on a chip's roofline,
+so the samplers keep the tiny model's decisions (which calls, how many) and take the
+large model's cost per call. `cpu` prices them instead by timing each call shape of the
+bench's own model on this machine (asynclane_jax.costs.measure): a check of the method
+against the decode times the bench measured.
+"""
+
+from __future__ import annotations
+
+from asynclane_jax.decoding.stats import CallShape
+from asynclane_jax.errors import UsageError
+
+CHIPS = ("cpu", "v5e", "v6e", "h200")
+WEIGHTS = ("bf16", "int8")
+# The weights a chip is projected with when the spec names none: the 8B preset's
+# bfloat16 weights do not fit one v5e chip's memory, so v5e runs it in int8.
+DEFAULT_WEIGHTS = {"v5e": "int8"}
+DEFAULT_PROJECT_MODELS = {"llada": "llada-8b-instruct", "dream": "dream-7b-instruct"}
+
+
+def parse_chips(text: str) -> list[tuple[str, str]]:
+    """`--project` CHIP[:WEIGHTS],... -> [(chip, weights)]; `cpu` takes the bench's
+    own model as it was loaded (its weights are not chosen here)."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        chip, _, weights = item.partition(":")
+        if chip not in CHIPS:
+            raise UsageError(f"--project {item!r}: unknown chip {chip!r}; expected one of "
+                             f"{', '.join(CHIPS)}")
+        if chip == "cpu" and weights:
+            raise UsageError(f"--project {item!r}: cpu times the bench's own model; "
+                             "it takes no weights")
+        weights = weights or DEFAULT_WEIGHTS.get(chip, "bf16")
+        if weights not in WEIGHTS:
+            raise UsageError(f"--project {item!r}: weights {weights!r}; expected one of "
+                             f"{', '.join(WEIGHTS)}")
+        if (chip, weights) in out:
+            raise UsageError(f"--project: {item!r} is named twice")
+        out.append((chip, weights))
+    if not out:
+        raise UsageError("--project: name at least one chip (cpu, v5e, v6e, h200)")
+    return out
+
+
+def label(chip: str, weights: str) -> str:
+    """The key of a projection in a row's `projected`: the chip, with `-int8` for int8
+    weights (e.g. `v6e`, `v5e-int8`)."""
+    return chip if chip == "cpu" or weights == "bf16" else f"{chip}-{weights}"
+
+
+def project_model_config(name: str | None, family: str):
+    """The preset the chips are projected with (`--project-model`; default by family)."""
+    from asynclane_jax.models import config
+
+    name = name or DEFAULT_PROJECT_MODELS[family]
+    try:
+        return config.preset(name)
+    except (KeyError, ValueError) as e:
+        raise UsageError(f"--project-model {name!r}: {e}") from None
+
+
+def row_counts(row: dict) -> list[tuple[CallShape, int]]:
+    """[(CallShape, calls)] of a bench row."""
+    return [(CallShape.from_dict(c), int(c["calls"])) for c in row.get("calls") or []]
+
+
+def add_projections(rows: list[dict], chips: list[tuple[str, str]], project_cfg,
+                    measure=None) -> None:
+    """Fills each row's `projected` {label: tokens/s} in place.
+
+    Args:
+      rows: bench rows with `calls` and `gen_tokens`.
+      chips: [(chip, weights)] (`parse_chips`).
+      project_cfg: the ModelConfig the accelerators are projected with.
+      measure: for `cpu`, the bench model's calls timed on this machine
+        (asynclane_jax.costs.measure.MeasuredCosts).
+    """
+    from asynclane_jax.costs import roofline
+
+    for row in rows:
+        counts = row_counts(row)
+        projected = dict(row.get("projected") or {})
+        for chip, weights in chips:
+            if chip == "cpu":
+                if measure is None:
+                    raise UsageError("--project cpu: no measurement of this machine's calls")
+                seconds = roofline.decode_time(measure, measure.cfg, counts)
+            else:
+                seconds = roofline.decode_time(chip, project_cfg, counts, weights=weights)
+            projected[label(chip, weights)] = (row["gen_tokens"] / seconds
+                                               if seconds > 0 else None)
+        row["projected"] = projected
