@@ -1,0 +1,255 @@
+"""What one model call computes and moves: FLOPs and HBM bytes of a `CallShape`.
+
+The formula follows `DiffusionLM.forward` (asynclane_jax/models/model.py) as the decode's
+calls use it (`ModelCalls` in asynclane_jax/decoding/driver.py):
+
+* every one of the `rows x queries` query tokens passes through all L layers: the q / k
+  / v / o projections, the attention, the SwiGLU MLP (gate, up, down);
+* the attention of each query covers `keys` columns: the fresh K/V of the call itself
+  without a cache, else the cache after the call's own K/V were written into it (the
+  whole canvas, or its first `keys` columns with `key_len`);
+* the output head runs only at the `logits` columns of each row (`logits_index`), and
+  so does the last layer after its q / k / v projections: its attention, o projection
+  and MLP feed nothing but those columns' logits, and XLA computes them there only
+  (it moves the gather of the logits columns above them; the cost analysis of the
+  compiled call shows it, docs/costs.md);
+
+FLOPs count the matmuls, two per multiply-add: the projections and the MLP
+(2 x tokens x in x out each), the attention scores and values (2 x rows x queries x
+keys x H x h each) and the head (2 x rows x logits x d x V). Left out as elementwise:
+the RMSNorms, RoPE, the softmax's exponentials and sums, SiLU and the residual adds
+(XLA's own count includes them; docs/costs.md compares the two).
+
+Bytes are what one call reads from and writes to HBM, each array once:
+* weights, read once per call however many rows: every linear kernel in the weight
+  format (int8: one byte per value plus a float32 scale per output channel; the
+  biases, norms and embedding stay in the parameter dtype), the output head only when
+  logits > 0, and of the embedding only the rows gathered, not the table;
+* the K/V cache (in the compute dtype) when the call has one: `keys` columns per layer
+  and row read, `queries` columns written;
+* activations between the matmuls, each written once and read once: the inputs of
+  the projections and of the MLP (the [tokens, d] stream, read by each of q / k / v,
+  gate and up), q, the fresh K/V, the attention's output, the MLP's two hidden
+  outputs (read by down), the outputs of o and down; norms, RoPE, SiLU and residual
+  adds are taken as fused into their neighbours, and the attention as one fused
+  kernel whose scores stay on chip (XLA's own attention writes them: docs/costs.md
+  compares the two);
+* the call's own inputs (token ids, positions, write and logits indices, key mask) and
+  its float32 logits.
+
+Each part is a field of `CallCost`, so a slice can divide what it shards
+(`asynclane_jax.costs.roofline`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from asynclane_jax.costs.chips import CostError
+from asynclane_jax.decoding.stats import CallShape
+from asynclane_jax.models.config import ModelConfig
+
+# Weight formats of the linear kernels: bytes per value. "int8" is our weight-only
+# quantization (asynclane_jax.models.quantize); "f32" prices the tiny float32 models.
+WEIGHT_BYTES = {"bf16": 2, "int8": 1, "f32": 4}
+SCALE_BYTES = 4  # an int8 kernel's per-output-channel scale is stored in float32
+INDEX_BYTES = 4  # int32 token ids, positions and indices
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """FLOPs and HBM bytes of one model call of one shape, every chip together.
+
+    The parts are kept apart so that a slice can divide each as it is sharded:
+    attention heads (`*_qo`: the q and o projections; `*_kv`: k and v, whose heads are
+    the K/V heads), the MLP, the head (vocabulary), and what no chip divides (`other`).
+
+    Attributes:
+      shape: the call's shape; weights: the weight format ("bf16", "int8", "f32").
+      layers: L; kv_heads, heads: K and H (what a slice divides the heads by).
+      mlp_hidden, vocab: the MLP and vocabulary widths (a slice divides them too).
+      flops_qo, flops_kv, flops_mlp: the projections' and the MLP's matmul FLOPs.
+      flops_attention: attention scores and values over `keys`.
+      flops_head: the output head over `logits` columns.
+      bytes_qo, bytes_kv, bytes_mlp, bytes_head: weight bytes (kernels, int8 scales,
+        biases) of those layers.
+      bytes_other: the norms and the gathered embedding rows.
+      bytes_kv_read, bytes_kv_write: K/V cache read and written.
+      bytes_act_sharded: activations split across a slice's chips (q / k / v, the
+        attention's input and output, the MLP's hidden width).
+      bytes_act_full: activations every chip of a slice holds whole (the [tokens, d]
+        inputs and outputs of the projections and the MLP).
+      bytes_inputs: the call's index arrays and key mask.
+      bytes_logits: the float32 logits written.
+      allreduces: the all-reduces a tensor-parallel slice makes (two per layer: the
+        attention's and the MLP's outputs summed across the chips).
+      allreduce_bytes: their payload, every all-reduce together (the [tokens, d]
+        outputs in the compute dtype).
+    """
+
+    shape: CallShape
+    weights: str
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp_hidden: int
+    vocab: int
+    flops_qo: float
+    flops_kv: float
+    flops_mlp: float
+    flops_attention: float
+    flops_head: float
+    bytes_qo: float
+    bytes_kv: float
+    bytes_mlp: float
+    bytes_head: float
+    bytes_other: float
+    bytes_kv_read: float
+    bytes_kv_write: float
+    bytes_act_sharded: float
+    bytes_act_full: float
+    bytes_inputs: float
+    bytes_logits: float
+    allreduces: int
+    allreduce_bytes: float
+
+    @property
+    def flops(self) -> float:
+        """Every matmul FLOP of the call."""
+        return (self.flops_qo + self.flops_kv + self.flops_mlp + self.flops_attention
+                + self.flops_head)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Parameter bytes the call reads."""
+        return (self.bytes_qo + self.bytes_kv + self.bytes_mlp + self.bytes_head
+                + self.bytes_other)
+
+    @property
+    def linear_weight_bytes(self) -> float:
+        """Bytes of the layers' linear kernels, their int8 scales and biases (the head
+        and `other` left out)."""
+        return self.bytes_qo + self.bytes_kv + self.bytes_mlp
+
+    @property
+    def bytes(self) -> float:
+        """Every byte the call moves."""
+        return (self.weight_bytes + self.bytes_kv_read + self.bytes_kv_write
+                + self.bytes_act_sharded + self.bytes_act_full + self.bytes_inputs
+                + self.bytes_logits)
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved."""
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["shape"] = self.shape.to_dict()
+        out.update(flops=self.flops, bytes=self.bytes, weight_bytes=self.weight_bytes)
+        return out
+
+
+def check_weights(weights: str) -> str:
+    """The weight format named, lower-cased; CostError naming the known ones."""
+    key = weights.strip().lower() if isinstance(weights, str) else weights
+    if key not in WEIGHT_BYTES:
+        raise CostError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_BYTES)}")
+    return key
+
+
+def check_shape(shape: CallShape) -> CallShape:
+    """The shape, checked for sizes the model can run; CostError otherwise."""
+    if not isinstance(shape, CallShape):
+        raise CostError(f"expected a CallShape, got {type(shape).__name__}")
+    for name in ("rows", "queries", "keys", "canvas"):
+        if getattr(shape, name) < 1:
+            raise CostError(f"{shape}: {name} must be positive")
+    if shape.logits < 0:
+        raise CostError(f"{shape}: logits must be zero or more")
+    if shape.keys > shape.canvas or shape.queries > shape.canvas:
+        raise CostError(f"{shape}: queries and keys are at most the canvas")
+    if shape.kind == "cached" and not shape.cache:
+        raise CostError(f"{shape}: a cached call has a cache")
+    if not shape.cache and shape.keys != shape.queries:
+        raise CostError(f"{shape}: without a cache the queries attend to themselves "
+                        "(keys == queries)")
+    return shape
+
+
+def _linear(d_in: int, d_out: int, weights: str, param_bytes: int, bias: bool) -> int:
+    """Bytes of one linear layer's parameters in a weight format."""
+    n = d_in * d_out * WEIGHT_BYTES[weights]
+    if weights == "int8":
+        n += d_out * SCALE_BYTES
+    return n + (d_out * param_bytes if bias else 0)
+
+
+def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16") -> CallCost:
+    """FLOPs and bytes of one model call (see the module docstring for what counts).
+
+    Args:
+      cfg: the model's config (a preset, `asynclane_jax.models.preset(name)`).
+      shape: the call's shape (`asynclane_jax.decoding.stats.CallShape`).
+      weights: the linear kernels' format: "bf16", "int8" (weight-only, per-channel
+        float32 scales) or "f32".
+    Returns:
+      CallCost.
+    Raises:
+      CostError: an unknown weight format or an impossible shape.
+    """
+    weights = check_weights(weights)
+    shape = check_shape(shape)
+    L, d, m, V = cfg.n_layers, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
+    qw, kvw = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    act = cfg.jnp_dtype.itemsize  # activations and the K/V cache
+    par = cfg.jnp_param_dtype.itemsize  # norms, biases, embedding
+    b, q, k, n = shape.rows, shape.queries, shape.keys, shape.logits
+    t = b * q  # query tokens
+    lin = lambda d_in, d_out, bias=False: _linear(d_in, d_out, weights, par, bias)
+
+    # The last layer: only the columns whose logits are read need its attention, o
+    # projection and MLP (XLA sinks the logits gather below them and drops the rest);
+    # its q / k / v projections still run for every query (the K/V go to the cache).
+    last = b * min(n, q)
+    all_q = L * t  # query tokens through the q / k / v projections, over the layers
+    rest = (L - 1) * t + last  # ... through the attention, o and the MLP
+    attends = (L - 1) + (1 if last else 0)  # layers whose attention runs at all
+    head_bytes = 0
+    if n > 0:
+        head_bytes = d * V * par if cfg.tie_embeddings else lin(d, V)
+    kv_col = 2 * b * kvw * act  # bytes of one K/V column (both) of one layer, every row
+    return CallCost(
+        shape=shape, weights=weights, layers=L, heads=cfg.n_heads,
+        kv_heads=cfg.n_kv_heads, mlp_hidden=m, vocab=V,
+        flops_qo=2.0 * (all_q * d * qw + rest * qw * d),
+        flops_kv=2.0 * all_q * 2 * d * kvw,
+        flops_mlp=2.0 * rest * 3 * d * m,
+        flops_attention=2.0 * 2 * rest * k * qw,
+        flops_head=2.0 * b * n * d * V,
+        bytes_qo=float(L * (lin(d, qw, cfg.qkv_bias) + lin(qw, d))),
+        bytes_kv=float(L * 2 * lin(d, kvw, cfg.qkv_bias)),
+        bytes_mlp=float(L * (2 * lin(d, m) + lin(m, d))),
+        bytes_head=float(head_bytes),
+        bytes_other=float((2 * L + 1) * d * par + t * d * par),
+        bytes_kv_read=float(attends * k * kv_col if shape.cache else 0),
+        bytes_kv_write=float(L * q * kv_col if shape.cache else 0),
+        # Each written once and read once: q (read by the attention), the fresh K/V
+        # (read by the attention, or by the scatter into the cache), the attention's
+        # output (read by o), gate's and up's outputs (read by down, SiLU and the
+        # product fused into its input).
+        bytes_act_sharded=float((all_q * qw + rest * qw + 4 * all_q * kvw
+                                 + 2 * rest * qw + 4 * rest * m) * act),
+        # q / k / v, gate and up read their input; o and down write their output; the
+        # head reads its rows.
+        bytes_act_full=float((3 * all_q * d + 4 * rest * d + b * n * d) * act),
+        bytes_inputs=float(INDEX_BYTES * (2 * t + (t if shape.cache else 0) + b * n)
+                           + b * shape.canvas),
+        bytes_logits=float(4 * b * n * V),
+        allreduces=2 * attends,
+        allreduce_bytes=float(2 * rest * d * act),
+    )
+
+
+__all__ = ["CallCost", "INDEX_BYTES", "SCALE_BYTES", "WEIGHT_BYTES", "call_cost",
+           "check_shape", "check_weights"]

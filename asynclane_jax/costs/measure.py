@@ -1,0 +1,114 @@
+"""The "cpu" chip: what one call of each shape costs on this machine, measured.
+
+For a loaded model and a `CallShape`, `measure_call` builds the arrays of that shape
+and times `DiffusionLM.forward` under `jax.jit` as the decode calls it
+(`ModelCalls.full_over` and `ModelCalls.cached` in asynclane_jax/decoding/driver.py):
+
+* a full call: tokens and positions [rows, queries]; with a cache, the cache of the
+  whole canvas [L, rows, canvas, K, h], every query's column written
+  (`write_index`), and `key_len=queries` when the call covers only the leading
+  columns; logits at `logits` columns (`logits_index`);
+* a cached call: tokens and positions [rows, queries], the cache, the queries'
+  columns written (within the first `keys`), `key_len=keys` when keys < canvas, and
+  `logits_index` only when logits < queries (the decode passes none otherwise);
+* a key mask [rows, canvas] in both, as the decode passes it.
+
+The cache is donated to the call and the returned one fed to the next, so its K/V
+are written in place as in the decode's loop (a call that copied the cache would
+cost more than the decode's). The time is the median of a few calls after a compile;
+`MeasuredCosts` keeps one per shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from asynclane_jax.costs.formula import check_shape
+from asynclane_jax.decoding.stats import CallShape
+from asynclane_jax.models.model import KVCache
+
+
+def call_arrays(cfg, shape: CallShape) -> dict:
+    """The arrays of one call of `shape` (see the module docstring), as keyword
+    arguments of `DiffusionLM.forward` plus `tokens` and `positions`; `key_len` is a
+    Python int or None."""
+    shape = check_shape(shape)
+    b, q, T = shape.rows, shape.queries, shape.canvas
+    first = 0 if shape.kind == "full" else max(0, shape.keys - q)
+    cols = jnp.broadcast_to(jnp.arange(first, first + q, dtype=jnp.int32), (b, q))
+    args = dict(tokens=jnp.full((b, q), cfg.mask_token_id, jnp.int32), positions=cols,
+                key_mask=jnp.ones((b, T if shape.cache else q), bool), cache=None,
+                write_index=None, logits_index=None, key_len=None)
+    if shape.cache:
+        args.update(cache=KVCache.zeros(cfg, b, T), write_index=cols)
+        bound = shape.queries if shape.kind == "full" else shape.keys
+        args["key_len"] = bound if bound < T else None
+    if shape.kind == "full" or shape.logits < q:
+        n = min(shape.logits, q)
+        args["logits_index"] = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    return args
+
+
+@functools.lru_cache(maxsize=8)
+def _program(graphdef, key_len):
+    def call(params, cache, tokens, positions, key_mask, write_index, logits_index):
+        model = nnx.merge(graphdef, params)
+        return model.forward(tokens, positions, key_mask=key_mask, cache=cache,
+                             write_index=write_index, logits_index=logits_index,
+                             key_len=key_len)
+
+    return jax.jit(call, donate_argnums=(1,))
+
+
+def measure_call(model, shape: CallShape, repeat: int = 5) -> float:
+    """Median seconds of one call of `shape` on `model` (jitted, after one compile).
+
+    Args:
+      model: a DiffusionLM (e.g. `asynclane_jax.load(name)[0]`).
+      shape: the call's shape.
+      repeat: timed calls (at least 1).
+    """
+    graphdef, params = nnx.split(model)
+    args = call_arrays(model.cfg, shape)
+    fn = _program(graphdef, args.pop("key_len"))
+    cache = args.pop("cache")
+    rest = (args["tokens"], args["positions"], args["key_mask"], args["write_index"],
+            args["logits_index"])
+    logits, cache = fn(params, cache, *rest)
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(max(1, int(repeat))):
+        t0 = time.perf_counter()
+        logits, cache = fn(params, cache, *rest)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class MeasuredCosts:
+    """The measured "cpu" chip of one model: `call_time(shape)` in seconds, measured
+    once per shape (`measure_call`) and remembered; `roofline.decode_time` and
+    `tokens_per_s` take it in place of a chip."""
+
+    key = "cpu"
+
+    def __init__(self, model, repeat: int = 5):
+        self.model = model
+        self.cfg = model.cfg
+        self.repeat = repeat
+        self.times: dict[CallShape, float] = {}
+
+    def call_time(self, shape: CallShape) -> float:
+        """Seconds of one call of `shape` on this machine (measured on first use)."""
+        if shape not in self.times:
+            self.times[shape] = measure_call(self.model, shape, self.repeat)
+        return self.times[shape]
+
+
+__all__ = ["MeasuredCosts", "call_arrays", "measure_call"]

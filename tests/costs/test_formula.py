@@ -1,0 +1,156 @@
+"""asynclane_jax.costs.formula: the FLOPs against XLA's own count of the same call
+compiled for the CPU, the parameter bytes against the model's own arrays, and the
+rules (int8, the K/V cache, the head and last layer at the logits columns)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from flax import nnx
+
+from asynclane_jax.costs import CostError, call_cost
+from asynclane_jax.costs.measure import call_arrays
+from asynclane_jax.decoding.stats import CallShape
+from asynclane_jax.models import abstract_model, preset
+from asynclane_jax.models import quantize as quantize_lib
+
+# Wide enough that the matmuls dominate: what the formula leaves out (norms, RoPE, the
+# softmax, SiLU, residual adds) is O(d + m + H x keys) per token and layer against the
+# matmuls' O(d x (d + m)), a share near 1% at these widths. XLA counts both, so its
+# figure lies a little above the formula's, never below. TOLERANCE bounds the excess;
+# each drift the shapes below are chosen to expose (the head or the last layer over
+# every query, the attention over the whole canvas instead of `keys`) puts the count
+# outside that band (test_the_check_can_fail).
+TOLERANCE = 0.02
+WIDE = dict(d_model=256, head_dim=64, mlp_hidden=1024, vocab_size=512, n_layers=2)
+SHAPES = (CallShape("full", 2, 64, 64, 4, False, 64),
+          CallShape("cached", 1, 8, 32, 2, True, 128))
+
+
+def _config(family: str):
+    return preset(f"tiny-{family}-test").replace(**WIDE)
+
+
+def xla_flops(cfg, shape: CallShape) -> float:
+    """XLA's FLOP count of one forward of `shape`, compiled for the CPU."""
+    graphdef, params = nnx.split(abstract_model(cfg))
+    arrays = call_arrays(cfg, shape)
+    key_len = arrays.pop("key_len")
+    arrays = jax.eval_shape(lambda: arrays)
+
+    def call(params, a):
+        return nnx.merge(graphdef, params).forward(
+            a["tokens"], a["positions"], key_mask=a["key_mask"], cache=a["cache"],
+            write_index=a["write_index"], logits_index=a["logits_index"], key_len=key_len)
+
+    ca = jax.jit(call).lower(params, arrays).compile().cost_analysis()
+    return float((ca[0] if isinstance(ca, (list, tuple)) else ca)["flops"])
+
+
+@pytest.fixture(scope="module")
+def counted():
+    """{(family, shape): XLA's FLOPs}: compiled once for the module."""
+    return {(f, s): xla_flops(_config(f), s) for f in ("llada", "dream") for s in SHAPES}
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["full", "cached"])
+def test_flops_match_xla_on_the_cpu(counted, family, shape):
+    formula = call_cost(_config(family), shape, "f32").flops
+    xla = counted[(family, shape)]
+    assert within(formula, xla), (formula, xla, xla / formula)
+
+
+def test_the_check_can_fail(counted):
+    """The drifts the check guards against move the count past its tolerance."""
+    cfg = _config("llada")
+    full, cached = SHAPES
+    drifts = {
+        # the head and the last layer priced at every query, not the logits columns
+        "logits": (full, CallShape("full", 2, 64, 64, 64, False, 64)),
+        # the attention priced over the whole canvas, not `keys`
+        "keys": (cached, CallShape("cached", 1, 8, 128, 2, True, 128)),
+    }
+    for name, (shape, drifted) in drifts.items():
+        xla = counted[("llada", shape)]
+        wrong = call_cost(cfg, drifted, "f32").flops
+        assert not within(wrong, xla), (name, wrong / xla)
+
+
+def within(formula: float, xla: float) -> bool:
+    """The check: XLA's count at or above the formula's, by at most TOLERANCE."""
+    return formula <= xla <= formula * (1 + TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["llada-8b-instruct", "dream-7b-instruct"])
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_parameter_bytes_are_the_models_arrays(name, weights):
+    """A call with the head reads every parameter array of the model as stored
+    (int8 kernels, their float32 scales, biases, norms) but the embedding table, of
+    which it reads the rows gathered."""
+    cfg = preset(name).replace(n_layers=2)  # the real widths; layers alike, fewer
+    model = abstract_model(cfg)
+    if weights == "int8":
+        model = quantize_lib.abstract_quantized(model, "int8")
+    state = nnx.state(model, nnx.Param)
+    stored = quantize_lib.weight_bytes(state)
+    table = cfg.vocab_size * cfg.d_model * cfg.jnp_param_dtype.itemsize
+    shape = CallShape("cached", 1, 32, 640, 32, True, 640)
+    cost = call_cost(cfg, shape, weights)
+    gathered = 32 * cfg.d_model * cfg.jnp_param_dtype.itemsize
+    assert cost.weight_bytes - gathered == stored - table
+
+
+def test_int8_halves_the_linear_weight_bytes():
+    cfg = preset("llada-8b-instruct")
+    shape = CallShape("cached", 1, 32, 640, 32, True, 640)
+    bf16, int8 = call_cost(cfg, shape, "bf16"), call_cost(cfg, shape, "int8")
+    ratio = int8.linear_weight_bytes / bf16.linear_weight_bytes
+    # Half, plus one float32 scale per output channel: 0.5 + 2 / in for a kernel [in,
+    # out], and every kernel's in-width is at least d.
+    assert 0.5 < ratio < 0.5 + 2 / cfg.d_model
+    assert int8.bytes_head / bf16.bytes_head == pytest.approx(0.5 + 2 / cfg.d_model)
+    assert int8.flops == bf16.flops
+    assert int8.bytes_kv_read == bf16.bytes_kv_read  # the cache stays in bfloat16
+
+
+def test_cache_bytes():
+    cfg = preset("dream-7b-instruct")
+    kv_col = 2 * cfg.n_kv_heads * cfg.head_dim * 2  # K and V of one column, bfloat16
+    cached = call_cost(cfg, CallShape("cached", 8, 32, 512, 32, True, 640))
+    assert cached.bytes_kv_read == cfg.n_layers * 8 * 512 * kv_col
+    assert cached.bytes_kv_write == cfg.n_layers * 8 * 32 * kv_col
+    full = call_cost(cfg, CallShape("full", 8, 640, 640, 32, False, 640))
+    assert full.bytes_kv_read == full.bytes_kv_write == 0
+    with_cache = call_cost(cfg, CallShape("full", 8, 640, 640, 32, True, 640))
+    assert with_cache.bytes_kv_write == cfg.n_layers * 8 * 640 * kv_col
+
+
+def test_head_and_last_layer_only_at_the_logits_columns():
+    cfg = preset("llada-8b-instruct")
+    at_32 = call_cost(cfg, CallShape("cached", 1, 160, 640, 32, True, 640))
+    at_all = call_cost(cfg, CallShape("cached", 1, 160, 640, 160, True, 640))
+    d, V, m = cfg.d_model, cfg.vocab_size, cfg.mlp_hidden
+    assert at_all.flops_head - at_32.flops_head == 2 * 128 * d * V
+    assert at_all.flops_mlp - at_32.flops_mlp == 2 * 128 * 3 * d * m
+    assert at_all.flops_kv == at_32.flops_kv  # K/V of every query, into the cache
+    none = call_cost(cfg, CallShape("cached", 1, 160, 640, 0, True, 640))
+    assert none.flops_head == none.bytes_head == none.bytes_logits == 0
+
+
+@pytest.mark.parametrize("weights", ["fp8", "", None, "int4"])
+def test_unknown_weight_format(weights):
+    with pytest.raises(CostError, match="bf16, int8"):
+        call_cost(preset("tiny-llada-test"), SHAPES[0], weights)
+
+
+@pytest.mark.parametrize("shape, problem", [
+    (CallShape("cached", 1, 8, 64, 8, False, 64), "has a cache"),
+    (CallShape("full", 1, 64, 32, 8, False, 64), "keys == queries"),
+    (CallShape("cached", 1, 8, 128, 8, True, 64), "at most the canvas"),
+    (CallShape("cached", 0, 8, 64, 8, True, 64), "rows must be positive"),
+    ((1, 8, 64), "expected a CallShape"),
+])
+def test_impossible_shapes(shape, problem):
+    with pytest.raises(CostError, match=problem):
+        call_cost(preset("tiny-llada-test"), shape)
