@@ -3,6 +3,7 @@ the same model call compiled ahead of time for a TPU chip with libtpu (no TPU, n
 weights: abstract parameters). Results: experiments/results/cost/xla_check.{md,json}.
 
   python experiments/cost_xla_check.py [--quick] [--out experiments/results/cost]
+  python experiments/cost_xla_check.py --from-json   (the page again from its JSON)
 
 For each preset (llada-8b-instruct, dream-7b-instruct), weight format (bf16, int8) and
 call shape (a full forward over T=640 with the head at 32 columns, cached calls of 32
@@ -237,6 +238,9 @@ def findings(result: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--commit", default=None,
+                    help="the commit the code was taken from, when it runs outside the "
+                         "repository (default: git rev-parse HEAD)")
     ap.add_argument("--from-json", action="store_true",
                     help="rewrite xla_check.md (and the findings) from xla_check.json in "
                          "--out, compiling nothing")
@@ -283,7 +287,7 @@ def main(argv=None) -> int:
         print("layer check:", json.dumps(checks[-1]), flush=True)
     result = {"meta": {"command": "python experiments/cost_xla_check.py"
                                   + "".join(" " + shlex.quote(a) for a in (argv or [])),
-                       "commit": _commit(), "jax": jax.__version__,
+                       "commit": args.commit or _commit(), "jax": jax.__version__,
                        "libtpu": md.version("libtpu") if aot.tpu_compiler_available()
                        else None},
               "rows": rows, "layer_checks": checks}
