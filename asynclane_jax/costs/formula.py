@@ -8,11 +8,14 @@ calls use it (`ModelCalls` in asynclane_jax/decoding/driver.py):
 * the attention of each query covers `keys` columns: the fresh K/V of the call itself
   without a cache, else the cache after the call's own K/V were written into it (the
   whole canvas, or its first `keys` columns with `key_len`);
-* the output head runs only at the `logits` columns of each row (`logits_index`), and
-  so does the last layer after its q / k / v projections: its attention, o projection
-  and MLP feed nothing but those columns' logits, and XLA computes them there only
-  (it moves the gather of the logits columns above them; the cost analysis of the
-  compiled call shows it, docs/costs.md);
+* the output head runs only at the `logits` columns of each row (`logits_index`).
+
+The last layer's attention, o projection and MLP feed nothing but the logits columns.
+As the model is written they run at every query (`last_layer="all"`, the default),
+and so the compiled call runs them when XLA cannot move the gather of the logits
+columns above them. Where it can (it depends on the attention's implementation), it
+computes them at those columns only: `last_layer="logits"` prices that program. The
+difference is at most one layer's attention, o and MLP.
 
 FLOPs count the matmuls, two per multiply-add: the projections and the MLP
 (2 x tokens x in x out each), the attention scores and values (2 x rows x queries x
@@ -185,7 +188,11 @@ def _linear(d_in: int, d_out: int, weights: str, param_bytes: int, bias: bool) -
     return n + (d_out * param_bytes if bias else 0)
 
 
-def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16") -> CallCost:
+LAST_LAYER = ("all", "logits")
+
+
+def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16",
+              last_layer: str = "all") -> CallCost:
     """FLOPs and bytes of one model call (see the module docstring for what counts).
 
     Args:
@@ -193,6 +200,9 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16") -> Call
       shape: the call's shape (`asynclane_jax.decoding.stats.CallShape`).
       weights: the linear kernels' format: "bf16", "int8" (weight-only, per-channel
         float32 scales) or "f32".
+      last_layer: "all" (every query through the whole last layer, as the model is
+        written) or "logits" (its attention, o and MLP at the logits columns only, as
+        XLA compiles it when it moves the logits gather above them).
     Returns:
       CallCost.
     Raises:
@@ -200,6 +210,8 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16") -> Call
     """
     weights = check_weights(weights)
     shape = check_shape(shape)
+    if last_layer not in LAST_LAYER:
+        raise CostError(f"last_layer={last_layer!r}: expected one of {LAST_LAYER}")
     L, d, m, V = cfg.n_layers, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
     qw, kvw = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     act = cfg.jnp_dtype.itemsize  # activations and the K/V cache
@@ -208,10 +220,9 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16") -> Call
     t = b * q  # query tokens
     lin = lambda d_in, d_out, bias=False: _linear(d_in, d_out, weights, par, bias)
 
-    # The last layer: only the columns whose logits are read need its attention, o
-    # projection and MLP (XLA sinks the logits gather below them and drops the rest);
-    # its q / k / v projections still run for every query (the K/V go to the cache).
-    last = b * min(n, q)
+    # The last layer past its q / k / v projections (whose K/V go to the cache): every
+    # query, or the logits columns only (see the module docstring).
+    last = t if last_layer == "all" else b * min(n, q)
     all_q = L * t  # query tokens through the q / k / v projections, over the layers
     rest = (L - 1) * t + last  # ... through the attention, o and the MLP
     attends = (L - 1) + (1 if last else 0)  # layers whose attention runs at all
@@ -251,5 +262,5 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16") -> Call
     )
 
 
-__all__ = ["CallCost", "INDEX_BYTES", "SCALE_BYTES", "WEIGHT_BYTES", "call_cost",
+__all__ = ["CallCost", "INDEX_BYTES", "LAST_LAYER", "SCALE_BYTES", "WEIGHT_BYTES", "call_cost",
            "check_shape", "check_weights"]
