@@ -72,7 +72,8 @@ def _cmd_bench(args) -> int:
 
     annotate = compare.add_speedups
     if chips is not None:
-        annotate = _with_projections(annotate, chips, model, args.project_model, meta)
+        annotate = _with_projections(annotate, chips, model, tokenizer, task_set,
+                                     args.project_model, meta)
 
     def on_length(rows):
         if args.json:
@@ -92,7 +93,7 @@ def _cmd_bench(args) -> int:
     return 0
 
 
-def _with_projections(annotate, chips, model, project_model, meta):
+def _with_projections(annotate, chips, model, tokenizer, task_set, project_model, meta):
     """The comparison step followed by the projections of every row (bench.project);
     records what was projected with in meta."""
     from asynclane_jax.bench import project
@@ -102,9 +103,7 @@ def _with_projections(annotate, chips, model, project_model, meta):
     meta["projected"] = [project.label(c, w) for c, w in chips]
     measure = None
     if any(c == "cpu" for c, _ in chips):
-        from asynclane_jax.costs.measure import MeasuredCosts
-
-        measure = MeasuredCosts(model)
+        measure = project.CpuCosts(model, tokenizer, task_set)
 
     def step(rows):
         annotate(rows)

@@ -5,9 +5,11 @@ A projection is not a measurement. It prices every call shape of the decodes the
 timed on this machine as the same call of a real preset (by default the 8B LLaDA preset
 for LLaDA-style models, the 7B Dream preset for Dream-style ones) on a chip's roofline,
 so the samplers keep the tiny model's decisions (which calls, how many) and take the
-large model's cost per call. `cpu` prices them instead by timing each call shape of the
-bench's own model on this machine (asynclane_jax.costs.measure): a check of the method
-against the decode times the bench measured.
+large model's cost per call. `cpu` prices them instead on this machine (`CpuCosts`):
+each call shape of the bench's own model timed (asynclane_jax.costs.measure), plus the
+schedule's own work per call, timed with the model's layers taken out
+(asynclane_jax.costs.loop): a check of the method against the decode times the bench
+measured.
 """
 
 from __future__ import annotations
@@ -71,6 +73,64 @@ def row_counts(row: dict) -> list[tuple[CallShape, int]]:
     return [(CallShape.from_dict(c), int(c["calls"])) for c in row.get("calls") or []]
 
 
+class CpuCosts:
+    """The `cpu` projection of a bench row: its calls priced by this machine's measured
+    cost of each shape, plus, per call, the schedule's own work (the loop overhead of
+    its sampler and options at the row's canvas and batch), measured once per variant.
+
+    Args:
+      model, tokenizer: the bench's model (rows of a spec on another model of the same
+        architecture are priced with it).
+      task_set: the testbed task set whose first held-out prompts the loop overhead is
+        measured on.
+      calls: the per-shape call costs (default: MeasuredCosts of the model).
+    """
+
+    def __init__(self, model, tokenizer=None, task_set: str = "v1", calls=None):
+        from asynclane_jax.costs.measure import MeasuredCosts
+
+        self.model, self.tokenizer, self.task_set = model, tokenizer, task_set
+        self.calls = calls if calls is not None else MeasuredCosts(model)
+        self.cfg = model.cfg
+        self._overhead: dict = {}
+
+    def overhead(self, row: dict) -> float:
+        """Seconds per call the row's decodes spend outside their calls."""
+        from asynclane_jax.bench.spec import split_model
+        from asynclane_jax.costs.loop import loop_overhead
+        from asynclane_jax.testbed import evaluate, tasks
+
+        counts = row_counts(row)
+        if not counts:
+            return 0.0
+        canvas = counts[0][0].canvas
+        sampler = split_model(row["sampler"])[0].split(":")[0]
+        key = (sampler, json_key(row["options"]), row["gen_length"], row["batch"], canvas)
+        if key not in self._overhead:
+            problems = tasks.split("heldout", row["batch"], self.task_set)
+            prompts = evaluate.prompts_for(problems, self.tokenizer)
+            self._overhead[key] = loop_overhead(
+                self.model, prompts, sampler=sampler, gen_length=row["gen_length"],
+                bucket=canvas - row["gen_length"], tokenizer=self.tokenizer,
+                **row["options"])
+        return self._overhead[key]
+
+    def row_seconds(self, row: dict) -> tuple[float, float]:
+        """(seconds of the row's calls, seconds of its loop overhead)."""
+        from asynclane_jax.costs import roofline
+
+        counts = row_counts(row)
+        calls = sum(n for _, n in counts)
+        return (roofline.decode_time(self.calls, self.cfg, counts),
+                calls * self.overhead(row))
+
+
+def json_key(options: dict) -> str:
+    import json
+
+    return json.dumps(options, sort_keys=True)
+
+
 def add_projections(rows: list[dict], chips: list[tuple[str, str]], project_cfg,
                     measure=None) -> None:
     """Fills each row's `projected` {label: tokens/s} in place.
@@ -79,8 +139,8 @@ def add_projections(rows: list[dict], chips: list[tuple[str, str]], project_cfg,
       rows: bench rows with `calls` and `gen_tokens`.
       chips: [(chip, weights)] (`parse_chips`).
       project_cfg: the ModelConfig the accelerators are projected with.
-      measure: for `cpu`, the bench model's calls timed on this machine
-        (asynclane_jax.costs.measure.MeasuredCosts).
+      measure: for `cpu`, a `CpuCosts` (or any object with `row_seconds(row)` ->
+        (calls' seconds, overhead seconds)).
     """
     from asynclane_jax.costs import roofline
 
@@ -91,7 +151,7 @@ def add_projections(rows: list[dict], chips: list[tuple[str, str]], project_cfg,
             if chip == "cpu":
                 if measure is None:
                     raise UsageError("--project cpu: no measurement of this machine's calls")
-                seconds = roofline.decode_time(measure, measure.cfg, counts)
+                seconds = sum(measure.row_seconds(row))
             else:
                 seconds = roofline.decode_time(chip, project_cfg, counts, weights=weights)
             projected[label(chip, weights)] = (row["gen_tokens"] / seconds

@@ -2,6 +2,7 @@
 from the model calls it recorded (asynclane_jax.bench.project, asynclane_jax.costs)."""
 
 import json
+import types
 
 import pytest
 
@@ -59,9 +60,12 @@ def test_cpu_is_priced_by_the_measured_calls():
         def call_time(self, shape):
             return {FULL: 0.010, CACHED: 0.002}[shape]
 
+    costs = project.CpuCosts(types.SimpleNamespace(cfg=Measured.cfg), calls=Measured())
+    costs.overhead = lambda row: 0.001  # seconds per call outside the calls
     rows = [_row([(FULL, 4), (CACHED, 10)], tokens=120)]
-    project.add_projections(rows, [("cpu", "bf16")], None, measure=Measured())
-    assert rows[0]["projected"] == {"cpu": pytest.approx(120 / 0.060)}
+    assert costs.row_seconds(rows[0]) == pytest.approx((0.060, 0.014))
+    project.add_projections(rows, [("cpu", "bf16")], None, measure=costs)
+    assert rows[0]["projected"] == {"cpu": pytest.approx(120 / 0.074)}
     with pytest.raises(UsageError, match="no measurement"):
         project.add_projections(rows, [("cpu", "bf16")], None)
 
