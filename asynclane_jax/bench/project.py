@@ -79,8 +79,8 @@ class CpuCosts:
     its sampler and options at the row's canvas and batch), measured once per variant.
 
     Args:
-      model, tokenizer: the bench's model (rows of a spec on another model of the same
-        architecture are priced with it).
+      model, tokenizer: the bench's model (a row of a spec on another model, SPEC@MODEL,
+        is priced with that model, loaded here once).
       task_set: the testbed task set whose first held-out prompts the loop overhead is
         measured on.
       calls: the per-shape call costs (default: MeasuredCosts of the model).
@@ -93,6 +93,22 @@ class CpuCosts:
         self.calls = calls if calls is not None else MeasuredCosts(model)
         self.cfg = model.cfg
         self._overhead: dict = {}
+        self._others: dict = {}  # SPEC@MODEL's model -> (model, MeasuredCosts)
+
+    def _model_of(self, row: dict):
+        """(model, its call costs) of a row: the bench's, or its spec's own."""
+        from asynclane_jax.bench.spec import split_model
+
+        other = split_model(row["sampler"])[1]
+        if other is None:
+            return self.model, self.calls
+        if other not in self._others:
+            import asynclane_jax
+            from asynclane_jax.costs.measure import MeasuredCosts
+
+            m = asynclane_jax.load(other)[0]
+            self._others[other] = (m, MeasuredCosts(m))
+        return self._others[other]
 
     def overhead(self, row: dict) -> float:
         """Seconds per call the row's decodes spend outside their calls."""
@@ -105,12 +121,13 @@ class CpuCosts:
             return 0.0
         canvas = counts[0][0].canvas
         sampler = split_model(row["sampler"])[0].split(":")[0]
-        key = (sampler, json_key(row["options"]), row["gen_length"], row["batch"], canvas)
+        key = (row["sampler"].split(":")[0], json_key(row["options"]), row["gen_length"],
+               row["batch"], canvas)
         if key not in self._overhead:
             problems = tasks.split("heldout", row["batch"], self.task_set)
             prompts = evaluate.prompts_for(problems, self.tokenizer)
             self._overhead[key] = loop_overhead(
-                self.model, prompts, sampler=sampler, gen_length=row["gen_length"],
+                self._model_of(row)[0], prompts, sampler=sampler, gen_length=row["gen_length"],
                 bucket=canvas - row["gen_length"], tokenizer=self.tokenizer,
                 **row["options"])
         return self._overhead[key]
@@ -121,7 +138,8 @@ class CpuCosts:
 
         counts = row_counts(row)
         calls = sum(n for _, n in counts)
-        return (roofline.decode_time(self.calls, self.cfg, counts),
+        measured = self._model_of(row)[1]
+        return (roofline.decode_time(measured, measured.cfg, counts),
                 calls * self.overhead(row))
 
 

@@ -18,7 +18,8 @@ CACHED = CallShape("cached", 1, 32, 640, 32, True, 640)
 
 
 def _row(calls, tokens=200):
-    return {"calls": [{**s.to_dict(), "calls": n, "row_calls": n} for s, n in calls],
+    return {"sampler": "fast-dllm:cache=dual",
+            "calls": [{**s.to_dict(), "calls": n, "row_calls": n} for s, n in calls],
             "gen_tokens": tokens, "projected": None}
 
 
