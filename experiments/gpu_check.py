@@ -10,7 +10,11 @@ downloaded), timed.
      per-channel scales (asynclane_jax.models.quantize, as `load(..., quantize="int8")`
      gives them), then one more generation with --int8-sampler (AsyncLane): its
      tokens/s, the weights' GiB, and how many of its tokens equal the bfloat16 run's;
-  5. before it, the scanned variant: the same random model built in the scanned layer
+  5. the cost model's call shapes (asynclane_jax.costs): a few full and cached calls
+     (CALL_SHAPES: canvas 640, rows 1 and 8) timed on the accelerator in bfloat16 and,
+     after quantizing, in int8, each printed beside the cost model's projection for
+     the chip (`h200`, `v5e`, `v6e` from the device kind; none for another chip);
+  6. before the int8 variant, the scanned variant: the same random model built in the scanned layer
      layout (`ModelConfig.scan_layers`: one Block with [L, ...] parameters run by
      lax.scan; the same weights for the same seed), one more generation with
      --int8-sampler: its compile seconds, tokens/s and token agreement with the unrolled
@@ -32,7 +36,8 @@ The last line printed is one JSON object with everything measured.
 
 Usage: experiments/gpu_check.sh [--preset llada-8b-instruct] [--length 1024]
        [--gen-length 512] [--samplers a,b] [--budget-s 420] [--int8-sampler asynclane]
-       [--int8-reserve-s 60] [--no-int8] [--no-scanned]
+       [--int8-reserve-s 60] [--shapes-reserve-s 90] [--no-int8] [--no-scanned]
+       [--no-shapes]
   CPU smoke run: experiments/gpu_check.sh --preset tiny-llada-test --length 64 --gen-length 64
 """
 
@@ -53,6 +58,14 @@ from flax import nnx
 
 # Samplers that belong to one family only.
 FAMILY_ONLY = {"dream": "dream"}
+# The call shapes timed against the cost model: (kind, rows, queries, keys, logits),
+# on a canvas of CANVAS columns with a cache. The int8 pass times the first INT8_SHAPES.
+CANVAS = 640
+CALL_SHAPES = (("full", 1, CANVAS, CANVAS, 32), ("cached", 1, 32, CANVAS, 32),
+               ("cached", 1, 160, CANVAS, 160), ("cached", 8, 32, CANVAS, 32))
+INT8_SHAPES = 2
+# Device kinds (lower case, a substring) -> the cost model's chip.
+CHIP_OF_DEVICE = (("h200", "h200"), ("v6", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"))
 
 
 def log(msg: str) -> None:
@@ -126,6 +139,41 @@ def forward_checks(model, cfg, length: int, queries: int) -> dict:
     out["cached_call"] = {"queries": queries, "cache_positions": length,
                           "compile_and_run_s": round(first, 3), "s": round(cached_s, 4),
                           "speedup_vs_full": round(full_s / cached_s, 2)}
+    return out
+
+
+def chip_of(device_kind: str) -> str | None:
+    kind = device_kind.lower()
+    return next((chip for sub, chip in CHIP_OF_DEVICE if sub in kind), None)
+
+
+def shape_checks(model, cfg, weights: str, chip: str | None, shapes, deadline: float
+                 ) -> list[dict]:
+    """Each call shape timed here (asynclane_jax.costs.measure, median of 3 after a
+    compile) beside its projection on `chip` (asynclane_jax.costs.roofline); a shape is
+    skipped once the deadline has passed."""
+    from asynclane_jax.costs import call_cost, call_timing
+    from asynclane_jax.costs.measure import measure_call
+    from asynclane_jax.decoding.stats import CallShape
+
+    out = []
+    for kind, rows, queries, keys, logits in shapes:
+        shape = CallShape(kind, rows, queries, keys, logits, True, CANVAS)
+        row = {"weights": weights, **shape.to_dict()}
+        if time.perf_counter() > deadline:
+            out.append({**row, "skipped": "time budget spent"})
+            continue
+        try:
+            row["measured_s"] = round(measure_call(model, shape, repeat=3), 5)
+        except Exception as e:  # one shape failing must not hide the others
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        if chip is not None:
+            t = call_timing(chip, call_cost(cfg, shape, weights))
+            row.update(chip=chip, projected_s=round(t.total, 5), bound=t.bound)
+            if "measured_s" in row:
+                row["measured_over_projected"] = round(row["measured_s"] / t.total, 2)
+        log(f"shape {json.dumps(row)}")
+        out.append(row)
     return out
 
 
@@ -257,6 +305,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-int8", action="store_true", help="skip the int8 variant")
     ap.add_argument("--no-scanned", action="store_true",
                     help="skip the scanned-layers variant")
+    ap.add_argument("--shapes-reserve-s", type=float, default=90.0,
+                    help="seconds of the budget kept for the call-shape timings")
+    ap.add_argument("--no-shapes", action="store_true",
+                    help="skip the call-shape timings against the cost model")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -273,11 +325,18 @@ def main(argv=None) -> int:
     log(f"built in {report['build_s']} s ({report['params_gib']} GiB)")
     report.update(forward_checks(model, cfg, args.length, args.queries))
     log(f"full forward {report['full_forward']}; cached call {report['cached_call']}")
+    chip = chip_of(report["device"])
+    shapes_reserve = 0.0 if args.no_shapes else args.shapes_reserve_s
+    if not args.no_shapes:
+        report["shapes"] = shape_checks(model, cfg, "bf16", chip, CALL_SHAPES,
+                                        deadline=t_start + args.budget_s)
+        shapes_reserve *= INT8_SHAPES / len(CALL_SHAPES)  # what the int8 pass needs
     if args.samplers:
         samplers = [s.strip() for s in args.samplers.split(",") if s.strip()]
     else:
         samplers = [s for s in registered() if FAMILY_ONLY.get(s, cfg.family) == cfg.family]
-    reserve = args.int8_reserve_s * ((not args.no_int8) + (not args.no_scanned))
+    reserve = (args.int8_reserve_s * ((not args.no_int8) + (not args.no_scanned))
+               + (0.0 if args.no_int8 else shapes_reserve))
     report["generation"], report["skipped"] = generation_checks(
         model, cfg, samplers, args.gen_length, args.prompt_length,
         deadline=t_start + args.budget_s - reserve, keep_tokens=True)
@@ -293,6 +352,10 @@ def main(argv=None) -> int:
         report["int8"] = int8_check(model, cfg, args.int8_sampler, args.gen_length,
                                     args.prompt_length, bf16)
         log(f"int8: {json.dumps(report['int8'])}")
+        if not args.no_shapes:
+            report["shapes"] += shape_checks(model, cfg, "int8", chip,
+                                             CALL_SHAPES[:INT8_SHAPES],
+                                             deadline=t_start + args.budget_s + 30.0)
     for row in report["generation"].values():
         row.pop("tokens", None)
     report["total_s"] = round(time.perf_counter() - t_start, 1)
