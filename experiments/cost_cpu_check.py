@@ -21,8 +21,9 @@ import os
 import pathlib
 import platform
 import shlex
-import subprocess
 import sys
+
+from cost_projection import _commit  # experiments/ is the script's own folder
 
 import asynclane_jax
 from asynclane_jax.bench import project, runner
@@ -36,14 +37,6 @@ SAMPLERS = ("d2f@{model}-d2f,fast-dllm:cache=dual,localleap:cache=dual,eb,"
             "fast-dllm:cache=dual:cascade=true:early_stop=true:renew=256:threshold=0.9,"
             "asynclane,asynclane:renew=256")
 AIM = 0.15  # the aim: every sampler within 15%
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def check_model(name: str, n: int, gen_lengths: list[int], specs: list[str]) -> list[dict]:
