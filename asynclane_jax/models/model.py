@@ -107,6 +107,35 @@ class RMSNorm(nnx.Module):
         return (x32.astype(self.dtype) * self.scale[...].astype(self.dtype))
 
 
+def rope_tables(positions, h: int, theta: float):
+    """The rotary embedding's cos and sin for `apply_rope`, computed once per forward
+    and shared by every layer (each layer's q and k rotate by the same angles).
+
+    Args:
+      positions: [b, t] integer positions.
+      h: head dim.
+      theta: RoPE base.
+    Returns:
+      (cos, sin), each [b, t, 1, h/2] float32: one column per frequency, each used by
+      the two halves of a head (`apply_rope` doubles them where it uses them; whole [h]
+      tables XLA on CPU would compute again inside every layer that reads them).
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [h/2]
+    ang = (positions.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]  # [b, t, 1, h/2]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x, cos, sin):
+    """x [b, t, n, h] rotated by `rope_tables`' (cos, sin), rotate-half convention; same
+    shape and dtype."""
+    h = x.shape[-1]
+    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
 def rope(x, positions, theta: float):
     """Rotary embedding, rotate-half convention (LLaMA / Qwen2 / LLaDA).
 
@@ -117,22 +146,18 @@ def rope(x, positions, theta: float):
     Returns:
       x rotated, same shape and dtype.
     """
-    h = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [h/2]
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, h/2]
-    ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]  # [b, t, 1, h]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos + rotated * sin).astype(x.dtype)
+    return apply_rope(x, *rope_tables(positions, x.shape[-1], theta))
 
 
 # Attention implementations: "auto" picks the fused cuDNN kernel of
-# jax.nn.dot_product_attention on a GPU in 16-bit floats and XLA's otherwise; "xla" and
-# "cudnn" ask for one; "reference" is a plain einsum softmax, the check for the others.
+# jax.nn.dot_product_attention on a GPU in 16-bit floats and `_xla_attention` otherwise;
+# "xla" and "cudnn" ask for one; "reference" is a plain einsum softmax, the check for
+# the others.
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "reference")
 _warned_fallback: set = set()
+# What a masked score becomes (jax.nn.dot_product_attention's value): exp of it less a
+# row's maximum is 0, and a row with every key masked attends uniformly.
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
 
 
 def resolve_attention(implementation: str | None, dtype) -> str:
@@ -161,15 +186,50 @@ def _reference_attention(q, k, v, mask):
     return o.reshape(b, Q, H, h).astype(q.dtype)
 
 
+def _xla_attention(q, k, v, mask):
+    """Grouped-query softmax attention as XLA compiles it well (the "xla" path).
+
+    The G = H / K query heads that share a K/V head are stacked along the query axis,
+    so the scores of each K/V head are one [G*Q, T] matrix whose rows are a query's
+    keys (no transpose of the [.., T] scores between the matmuls). The softmax is left
+    unnormalized until after the value matmul: o = (exp(s - max) @ v) / sum(exp(s -
+    max)), which divides the [G*Q, h] result instead of the [G*Q, T] weights, so the
+    weights are written once, by the pass that computes them. Scores, softmax and the
+    value matmul's accumulation are float32 whatever the input dtype.
+
+    Args:
+      q: [b, Q, H, h]; k, v: [b, T, K, h]; mask: None or bool [b, 1, 1|Q, T].
+    Returns:
+      [b, Q, H, h] in q's dtype.
+    """
+    b, Q, H, h = q.shape
+    K = k.shape[2]
+    G = H // K
+    qs = q.reshape(b, Q, K, G, h).transpose(0, 2, 3, 1, 4).reshape(b, K, G * Q, h)
+    s = jnp.einsum("bkmh,btkh->bkmt", qs, k, preferred_element_type=jnp.float32)
+    s = s * jnp.float32(1 / math.sqrt(h))
+    if mask is not None:
+        if mask.shape[2] > 1:  # per query: [b, 1, Q, T] -> [b, 1, G*Q, T], g major
+            mask = jnp.broadcast_to(mask[:, :, None], (b, 1, G) + mask.shape[2:])
+            mask = mask.reshape(b, 1, G * Q, mask.shape[-1])
+        s = jnp.where(mask, s, _MASKED)
+    e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+    o = jnp.einsum("bkmt,btkh->bkmh", e.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+    o = o / jnp.sum(e, axis=-1, keepdims=True)
+    return o.reshape(b, K, G, Q, h).transpose(0, 3, 1, 2, 4).reshape(b, Q, H, h).astype(q.dtype)
+
+
 def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementation=None):
     """Grouped-query softmax attention: the one attention of the model.
 
     The mask is never built as [b, Q, T] by the caller: a [b, T] key mask covers padding,
     and block-causal attention (D2F: a query sees keys of its own and earlier blocks) is
-    given as block ids per query and per key. Both go to `jax.nn.dot_product_attention`,
-    which runs cuDNN's fused kernel on GPUs (`implementation` "auto" or "cudnn"); its
-    XLA path computes the scores and the softmax in float32 whatever the input dtype.
-    When cuDNN refuses a shape or mask, the XLA path runs instead (said once).
+    given as block ids per query and per key. On GPUs in 16-bit floats
+    (`implementation` "auto" or "cudnn") both go to `jax.nn.dot_product_attention`'s
+    fused cuDNN kernel; elsewhere `_xla_attention` runs, which computes the scores and
+    the softmax in float32 whatever the input dtype. When cuDNN refuses a shape or mask,
+    the XLA path runs instead (said once).
 
     Args:
       q: [b, Q, H, h]; k, v: [b, T, K, h] (H a multiple of K).
@@ -200,7 +260,7 @@ def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementat
                 _warned_fallback.add(str(e))
                 warnings.warn(f"cuDNN attention unavailable here ({e}); using XLA's",
                               stacklevel=2)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    return _xla_attention(q, k, v, mask)
 
 
 def query_block_ids(block_ids, cache, write_index):
@@ -227,13 +287,15 @@ class Attention(nnx.Module):
         self.o_proj = Linear(H * h, d, ("heads", "embed"), bias=False, cfg=cfg, rngs=rngs)
         self.cfg = cfg
 
-    def qkv(self, x, positions):
+    def qkv(self, x, rot):
+        """Queries, keys and values of x [b, t, d], q and k rotated by rot = (cos, sin)
+        from `rope_tables`."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
         k = self.k_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+        return apply_rope(q, *rot), apply_rope(k, *rot), v
 
     def out(self, o):
         b, t = o.shape[:2]
@@ -260,9 +322,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def qkv(self, x, positions):
-        """Queries, keys and values of x [b, Q, d] (after RoPE): [b, Q, H|K, h]."""
-        return self.attn.qkv(self.attn_norm(x), positions)
+    def qkv(self, x, rot):
+        """Queries, keys and values of x [b, Q, d] (after RoPE by rot = `rope_tables`'
+        (cos, sin)): [b, Q, H|K, h]."""
+        return self.attn.qkv(self.attn_norm(x), rot)
 
     def __call__(self, x, q, keys, values, *, key_mask, q_block=None, k_block=None,
                  implementation=None):
@@ -279,7 +342,7 @@ class Block(nnx.Module):
                                         k_block=k_block, implementation=implementation))
         return h + self.mlp(self.mlp_norm(h))
 
-    def step(self, index, x, positions, cache, rows, write_index, key_len=None,
+    def step(self, index, x, rot, cache, rows, write_index, key_len=None, out_rows=None,
              **attention_kw):
         """One layer of `DiffusionLM.forward`: with a cache, the queries' fresh K/V are
         written into layer `index` of it and the queries attend to the whole layer (or
@@ -287,20 +350,29 @@ class Block(nnx.Module):
 
         Args:
           index: the layer's index in the cache (a Python int, or traced in a scan).
-          x: [b, Q, d]; positions: [b, Q].
+          x: [b, Q, d]; rot: (cos, sin) [b, Q, 1, h/2] from `rope_tables`.
           cache: KVCache or None; rows: arange(b)[:, None]; write_index: [b, Q].
           key_len: a static column count: attend only to the cache's first key_len
             columns (None: all).
+          out_rows: [b, n] indices into the Q queries, or None: the layer's output is
+            computed only at those rows (its K/V still come from all Q): the last
+            layer when only some rows are read.
           **attention_kw: key_mask, q_block, k_block, implementation (see `attention`).
         Returns:
-          (x [b, Q, d], the updated cache or None).
+          (x [b, Q or n, d], the updated cache or None).
         """
-        q, k, v = self.qkv(x, positions)
+        q, k, v = self.qkv(x, rot)
         if cache is not None:
             cache = cache.write(index, rows, write_index, k, v)
             k, v = cache.k[index], cache.v[index]
             if key_len is not None:
                 k, v = k[:, :key_len], v[:, :key_len]
+        if out_rows is not None:
+            x = jnp.take_along_axis(x, out_rows[:, :, None], axis=1)
+            q = jnp.take_along_axis(q, out_rows[:, :, None, None], axis=1)
+            if attention_kw.get("q_block") is not None:
+                attention_kw = dict(attention_kw, q_block=jnp.take_along_axis(
+                    attention_kw["q_block"], out_rows, axis=1))
         return self(x, q, k, v, **attention_kw), cache
 
 
@@ -473,10 +545,12 @@ class DiffusionLM(nnx.Module):
                         Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), bias=False,
                                cfg=cfg, rngs=rngs))
 
-    def _scan(self, x, positions, cache, rows, write_index, key_len, kw):
-        """The stacked layers as one `jax.lax.scan`: carry (x, cache), scanned over the
-        Block's [L, ...] parameters and the layer index (which writes and reads that
-        layer of the carried cache in place).
+    def _scan(self, x, rot, cache, rows, write_index, key_len, out_rows, kw):
+        """The stacked layers as one `jax.lax.scan`: carry (x, cache), over the layer
+        index, each iteration reading its layer's parameters from the Block's [L, ...]
+        arrays (and writing and reading that layer of the carried cache in place). With
+        out_rows the last layer, whose output is read only at those rows, runs after
+        the scan on them alone.
 
         lax.scan over the split Block, not `nnx.scan`: the decode merges the model
         inside its jit and calls it inside lax.cond / while_loop branches, and
@@ -485,17 +559,26 @@ class DiffusionLM(nnx.Module):
         arrays, which any trace may scan.
         """
         block_def, stacked = nnx.split(self.layers)
+        L = self.cfg.n_layers
 
-        def body(carry, xs):
+        def layer(index):
+            return nnx.merge(block_def, jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked))
+
+        def body(carry, index):
             x, cache = carry
-            state, index = xs
-            layer = nnx.merge(block_def, state)
-            x, cache = layer.step(index, x, positions, cache, rows, write_index, key_len,
-                                  **kw)
+            x, cache = layer(index).step(index, x, rot, cache, rows, write_index, key_len,
+                                         **kw)
             return (sharding.constrain(x, sharding.ACTIVATION), cache), None
 
-        index = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
-        return jax.lax.scan(body, (x, cache), (stacked, index))[0]
+        n_scanned = L if out_rows is None else L - 1
+        index = jnp.arange(n_scanned, dtype=jnp.int32)
+        x, cache = jax.lax.scan(body, (x, cache), index)[0]
+        if out_rows is not None:
+            last = jnp.asarray(L - 1, jnp.int32)
+            x, cache = layer(last).step(last, x, rot, cache, rows, write_index, key_len,
+                                        out_rows=out_rows, **kw)
+        return x, cache
 
     def _logits(self, x):
         x = self.final_norm(x)
@@ -548,14 +631,21 @@ class DiffusionLM(nnx.Module):
         rows = jnp.arange(tokens.shape[0])[:, None]
         kw = dict(key_mask=key_mask, q_block=q_block, k_block=k_block,
                   implementation=self.attention_implementation)
+        rot = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        # The last layer's output is read only at logits_index: past its K/V (written
+        # from its input), it runs on those rows alone.
+        # (A model without layers, costs.loop's measuring copy, gathers them below.)
+        out_rows = (logits_index if logits_index is not None and self.cfg.n_layers > 0
+                    and logits_index.shape[1] < tokens.shape[1] else None)
         if self.cfg.scan_layers:
-            x, cache = self._scan(x, positions, cache, rows, write_index, key_len, kw)
+            x, cache = self._scan(x, rot, cache, rows, write_index, key_len, out_rows, kw)
         else:
+            last = len(self.layers) - 1
             for i, layer in enumerate(self.layers):
-                x, cache = layer.step(i, x, positions, cache, rows, write_index, key_len,
-                                      **kw)
+                x, cache = layer.step(i, x, rot, cache, rows, write_index, key_len,
+                                      out_rows=out_rows if i == last else None, **kw)
                 x = sharding.constrain(x, sharding.ACTIVATION)
-        if logits_index is not None:
+        if logits_index is not None and out_rows is None:
             x = jnp.take_along_axis(x, logits_index[:, :, None], axis=1)
         return self._logits(x).astype(jnp.float32), cache
 

@@ -1,6 +1,6 @@
-"""The attention implementations: the written-out reference equals
-jax.nn.dot_product_attention's XLA path, and decoding with either gives the same tokens;
-"auto" runs XLA's path on a CPU (cuDNN's fused kernel only on GPUs)."""
+"""The attention implementations: the written-out reference equals the XLA path
+(`_xla_attention`), and decoding with either gives the same tokens; "auto" runs the XLA
+path on a CPU (cuDNN's fused kernel only on GPUs)."""
 
 import jax
 import jax.numpy as jnp
