@@ -27,10 +27,15 @@ in turn, alternating which goes first, and sums the driver's `decode_time` (the
 compiled loop alone) and the wall time of each `generate`; it counts the generated
 tokens that differ between the two.
 
+With --tokens it runs only the token checks (TOKEN_CHECKS: each sampler whose tokens
+must not move, on the first 100 or 500 held-out v4 problems at gen_length 512, before
+and after model in turn) and adds them to the results of an earlier run.
+
 Results: experiments/results/decode/full_forward_cost.{md,json}.
 
 Usage: python experiments/full_forward_cost.py [--before c50297f] [--rounds 20]
        [--calls 5] [--problems 40] [--gen-lengths 256,512]
+       python experiments/full_forward_cost.py --tokens
 """
 
 from __future__ import annotations
@@ -304,11 +309,57 @@ def decode_speed(before, after, tok, n: int, gen_lengths) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------ tokens
+# (model, sampler, options, problems, batch): the samplers whose tokens must not move.
+TOKEN_CHECKS = (
+    ("tiny-llada-v4b", "fast-dllm", {"cache": "dual"}, 500, 1),
+    ("tiny-llada-v4b", "vanilla", {}, 100, 8),
+    ("tiny-llada-v4b", "fast-dllm", {"cache": "prefix"}, 100, 8),
+    ("tiny-llada-v4b", "fast-dllm", {"cache": "dual"}, 100, 8),
+    ("tiny-llada-v4b", "localleap", {"cache": "dual"}, 100, 8),
+    ("tiny-llada-v4b", "asynclane", {}, 100, 8),
+    ("tiny-llada-v4b", "eb", {}, 100, 8),
+    ("tiny-llada-v4b-d2f", "d2f", {}, 100, 8),
+    ("tiny-dream-v4", "fast-dllm", {"cache": "dual"}, 100, 8),
+    ("tiny-dream-v4", "asynclane", {}, 100, 8),
+)
+
+
+def token_checks(module, gen_length: int) -> list[dict]:
+    """Each TOKEN_CHECKS row decoded by the before and the after model (the first n
+    held-out v4 problems, in batches as given): the generated tokens and rows that
+    differ."""
+    rows, loaded = [], {}
+    problems = tasks.split("heldout", max(c[3] for c in TOKEN_CHECKS), "v4")
+    for name, sampler, options, n, batch in TOKEN_CHECKS:
+        if name not in loaded:
+            model, tok, _ = asynclane_jax.load(name)
+            loaded[name] = (as_model(module, model), model, tok)
+        before, after, tok = loaded[name]
+        prompts = evaluate.prompts_for(problems[:n], tok)
+        bucket = max(len(p) for p in prompts)
+        tokens = {}
+        for side, m in (("before", before), ("after", after)):
+            tokens[side] = np.concatenate([
+                generate(m, prompts[i:i + batch], sampler=sampler, gen_length=gen_length,
+                         tokenizer=tok, bucket=bucket, **options).tokens
+                for i in range(0, n, batch)])
+        differ = tokens["before"] != tokens["after"]
+        row = {"model": name, "sampler": sampler, "options": options, "problems": n,
+               "batch": batch, "gen_length": gen_length,
+               "tokens_differing": int(differ.sum()),
+               "rows_differing": int(differ.any(axis=1).sum()), "tokens": int(differ.size)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------ report
 CHANGES = ("trim", "attention", "rope")
 
 
-def markdown(meta: dict, calls: list[dict], alone: list[dict], decode: list[dict]) -> str:
+def markdown(meta: dict, calls: list[dict], alone: list[dict], decode: list[dict],
+             tokens: dict | None) -> str:
     out = ["# The full forward's cost on `tiny-llada-v4b`, before and after", "",
            f"Made by `{meta['command']}` at commit {meta['commit']} (before: "
            f"{meta['before']}), backend {meta['backend']} ({meta['machine']}, "
@@ -366,6 +417,19 @@ def markdown(meta: dict, calls: list[dict], alone: list[dict], decode: list[dict
                    f"{r['decode_s_after']:.2f} | {r['speedup_decode']:.2f}x | "
                    f"{r['speedup_wall']:.2f}x | {r['speedup_cpu']:.2f}x | "
                    f"{r['tokens_differing']} |")
+    if tokens:
+        out += ["", "## Generated tokens, before and after", "",
+                f"Made by `{tokens['command']}` at commit {tokens['commit']}. The first n "
+                "held-out v4 problems, decoded by the before and the after model in "
+                f"batches of the size given, gen_length {tokens['rows'][0]['gen_length']}, "
+                "each sampler at its defaults but the options named.", "",
+                "| model | sampler | options | problems | batch | tokens | tokens differing "
+                "| problems differing |", "|---|---|---|--:|--:|--:|--:|--:|"]
+        for r in tokens["rows"]:
+            opts = ", ".join(f"{k}={v}" for k, v in r["options"].items()) or "-"
+            out.append(f"| {r['model']} | {r['sampler']} | {opts} | {r['problems']} | "
+                       f"{r['batch']} | {r['tokens']} | {r['tokens_differing']} | "
+                       f"{r['rows_differing']} |")
     return "\n".join(out) + "\n"
 
 
@@ -377,10 +441,27 @@ def main():
     ap.add_argument("--problems", type=int, default=40)
     ap.add_argument("--gen-lengths", default="256,512")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--tokens", action="store_true",
+                    help="only the token checks (TOKEN_CHECKS, at gen_length 512), added to "
+                         "the results of an earlier run")
     args = ap.parse_args()
+    command = " ".join(["python experiments/full_forward_cost.py", *sys.argv[1:]])
+    dirty = bool(git("status", "--porcelain", "--", "asynclane_jax/models/model.py"))
+    commit = git("rev-parse", "--short", "HEAD") + (" (model.py modified)" if dirty else "")
+    module = before_module(args.before)
+    out_json = RESULTS / "full_forward_cost.json"
+    if args.tokens:
+        data = json.loads(out_json.read_text())
+        data["tokens"] = {"command": command, "commit": commit, "before": args.before,
+                          "rows": token_checks(module, 512)}
+        out_json.write_text(json.dumps(data, indent=1) + "\n")
+        (RESULTS / "full_forward_cost.md").write_text(markdown(
+            data["meta"], data["calls"], data["attention"], data["decode"], data["tokens"]))
+        print(f"wrote {out_json}")
+        return
     gen_lengths = [int(g) for g in args.gen_lengths.split(",")]
     model, tok, cfg = asynclane_jax.load(MODEL)
-    before = as_model(before_module(args.before), model)
+    before = as_model(module, model)
     variants = {"before": (before, None), "after": (model, None),
                 **{f"after without {c}": (model, c) for c in CHANGES}}
     calls = call_costs(variants, cfg, [PROMPT + g for g in gen_lengths], args.rounds,
@@ -389,21 +470,19 @@ def main():
                                   for q in (T, READ)], args.rounds, args.calls)
     decode = [] if args.skip_decode else decode_speed(before, model, tok, args.problems,
                                                        gen_lengths)
-    dirty = bool(git("status", "--porcelain", "--", "asynclane_jax/models/model.py"))
-    commit = git("rev-parse", "--short", "HEAD") + (" (model.py modified)" if dirty else "")
-    meta = {"command": " ".join(["python experiments/full_forward_cost.py", *sys.argv[1:]]),
-            "commit": commit,
+    meta = {"command": command, "commit": commit,
             "before": args.before, "backend": jax.default_backend(),
             "machine": platform.machine(), "cpus": len(os.sched_getaffinity(0)),
             "rounds": args.rounds, "calls": args.calls,
             "model": MODEL, "jax": jax.__version__,
             "heads": f"{cfg.n_heads} query, {cfg.n_kv_heads} K/V heads of {cfg.head_dim}"}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "full_forward_cost.json").write_text(json.dumps(
+    out_json.write_text(json.dumps(
         {"meta": meta, "calls": calls, "attention": alone, "decode": decode}, indent=1) + "\n")
     if decode:
-        (RESULTS / "full_forward_cost.md").write_text(markdown(meta, calls, alone, decode))
-    print(f"wrote {RESULTS / 'full_forward_cost.json'}")
+        (RESULTS / "full_forward_cost.md").write_text(markdown(meta, calls, alone, decode,
+                                                               None))
+    print(f"wrote {out_json}")
 
 
 if __name__ == "__main__":
