@@ -27,6 +27,10 @@ in turn, alternating which goes first, and sums the driver's `decode_time` (the
 compiled loop alone) and the wall time of each `generate`; it counts the generated
 tokens that differ between the two.
 
+With --aot it compiles LLaDA-8B's Fast-dLLM dual-cache decode with scanned layers for
+a v5e:2x4 slice ahead of time (`asynclane-jax aot`, in a worktree at BEFORE and in this
+tree) and adds the memory, code and collectives to the results of an earlier run.
+
 With --tokens it runs only the token checks (TOKEN_CHECKS: each sampler whose tokens
 must not move, on the first 100 or 500 held-out v4 problems at gen_length 512, before
 and after model in turn) and adds them to the results of an earlier run.
@@ -36,6 +40,7 @@ Results: experiments/results/decode/full_forward_cost.{md,json}.
 Usage: python experiments/full_forward_cost.py [--before c50297f] [--rounds 20]
        [--calls 5] [--problems 40] [--gen-lengths 256,512]
        python experiments/full_forward_cost.py --tokens
+       python experiments/full_forward_cost.py --aot
 """
 
 from __future__ import annotations
@@ -354,12 +359,38 @@ def token_checks(module, gen_length: int) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------ the 8B, scanned
+# The scanned layout runs the last layer after the scan when logits are read at some
+# rows only: one more layer body in the program. Its cost on a TPU slice, compiled
+# ahead of time (no TPU needed, libtpu is), before and after.
+AOT = ["aot", "--preset", "llada-8b-instruct", "--sampler", "fast-dllm", "--option",
+       "cache=dual", "--gen-length", "512", "--batch", "8", "--prompt", "128",
+       "--topology", "v5e:2x4", "--mesh", "data=1,tensor=8", "--scan-layers", "--json"]
+
+
+def aot_compare(before: str) -> dict:
+    """`asynclane-jax aot` of AOT in a worktree at `before` and in this tree."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = pathlib.Path(tmp) / "before"
+        git("worktree", "add", "--detach", str(tree), before)
+        try:
+            for side, cwd in (("before", tree), ("after", ROOT)):
+                out = subprocess.run([sys.executable, "-m", "asynclane_jax.cli", *AOT],
+                                     cwd=cwd, capture_output=True, text=True, check=True)
+                rows[side] = json.loads(out.stdout.strip().splitlines()[-1])
+                print(side, json.dumps(rows[side]), flush=True)
+        finally:
+            git("worktree", "remove", "--force", str(tree))
+    return {"command": "asynclane-jax " + " ".join(AOT), **rows}
+
+
 # ------------------------------------------------------------------ report
 CHANGES = ("trim", "attention", "rope")
 
 
 def markdown(meta: dict, calls: list[dict], alone: list[dict], decode: list[dict],
-             tokens: dict | None) -> str:
+             tokens: dict | None, aot: dict | None = None) -> str:
     out = ["# The full forward's cost on `tiny-llada-v4b`, before and after", "",
            f"Made by `{meta['command']}` at commit {meta['commit']} (before: "
            f"{meta['before']}), backend {meta['backend']} ({meta['machine']}, "
@@ -430,6 +461,20 @@ def markdown(meta: dict, calls: list[dict], alone: list[dict], decode: list[dict
             out.append(f"| {r['model']} | {r['sampler']} | {opts} | {r['problems']} | "
                        f"{r['batch']} | {r['tokens']} | {r['tokens_differing']} | "
                        f"{r['rows_differing']} |")
+    if aot:
+        gib = 2 ** 30
+        out += ["", "## LLaDA-8B, scanned layers, compiled for a TPU slice", "",
+                f"Made by `{aot['made_by']}` at commit {aot['commit']}: "
+                f"`{aot['command']}` run in a worktree at {aot['before']} and in this tree "
+                "(ahead of time, no TPU). The last layer, run after the scan on the read "
+                "rows, is a second layer body in the program.", "",
+                "| | temporaries GiB | code GiB | peak GiB | all-reduces | all-gathers | "
+                "compile s |", "|---|--:|--:|--:|--:|--:|--:|"]
+        for side in ("before", "after"):
+            r = aot[side]
+            out.append(f"| {side} | {r['temp_bytes'] / gib:.3f} | {r['code_bytes'] / gib:.4f} "
+                       f"| {r['peak_bytes'] / gib:.3f} | {r['collectives']['all-reduce']} | "
+                       f"{r['collectives']['all-gather']} | {r['compile_s']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -441,6 +486,9 @@ def main():
     ap.add_argument("--problems", type=int, default=40)
     ap.add_argument("--gen-lengths", default="256,512")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--aot", action="store_true",
+                    help="only the 8B scanned TPU compile, before and after (AOT), added to "
+                         "the results of an earlier run")
     ap.add_argument("--tokens", action="store_true",
                     help="only the token checks (TOKEN_CHECKS, at gen_length 512), added to "
                          "the results of an earlier run")
@@ -450,13 +498,18 @@ def main():
     commit = git("rev-parse", "--short", "HEAD") + (" (model.py modified)" if dirty else "")
     module = before_module(args.before)
     out_json = RESULTS / "full_forward_cost.json"
-    if args.tokens:
+    if args.tokens or args.aot:
         data = json.loads(out_json.read_text())
-        data["tokens"] = {"command": command, "commit": commit, "before": args.before,
-                          "rows": token_checks(module, 512)}
+        if args.tokens:
+            data["tokens"] = {"command": command, "commit": commit, "before": args.before,
+                              "rows": token_checks(module, 512)}
+        if args.aot:
+            data["aot"] = {"made_by": command, "commit": commit, "before": args.before,
+                           **aot_compare(args.before)}
         out_json.write_text(json.dumps(data, indent=1) + "\n")
         (RESULTS / "full_forward_cost.md").write_text(markdown(
-            data["meta"], data["calls"], data["attention"], data["decode"], data["tokens"]))
+            data["meta"], data["calls"], data["attention"], data["decode"],
+            data.get("tokens"), data.get("aot")))
         print(f"wrote {out_json}")
         return
     gen_lengths = [int(g) for g in args.gen_lengths.split(",")]
