@@ -45,6 +45,7 @@ def check_model(name: str, n: int, gen_lengths: list[int], specs: list[str]) -> 
     rows = runner.run_bench(model, tok, specs, gen_lengths, n, 1, progress=True,
                             model_name=name, task_set=task_set)
     costs = project.CpuCosts(model, tok, task_set)
+    costs.prepare(rows)
     out = []
     for r in rows:
         calls_s, loop_s = costs.row_seconds(r)

@@ -84,7 +84,12 @@ class CpuCosts:
       task_set: the testbed task set whose first held-out prompts the loop overhead is
         measured on.
       calls: the per-shape call costs (default: MeasuredCosts of the model).
+
+    The loop overhead is the mean over `overhead_groups` batches of held-out prompts
+    (one prompt's decode path is not every prompt's).
     """
+
+    overhead_groups = 4
 
     def __init__(self, model, tokenizer=None, task_set: str = "v1", calls=None):
         from asynclane_jax.costs.measure import MeasuredCosts
@@ -124,13 +129,26 @@ class CpuCosts:
         key = (row["sampler"].split(":")[0], json_key(row["options"]), row["gen_length"],
                row["batch"], canvas)
         if key not in self._overhead:
-            problems = tasks.split("heldout", row["batch"], self.task_set)
+            b, groups = row["batch"], self.overhead_groups
+            problems = tasks.split("heldout", b * groups, self.task_set)
             prompts = evaluate.prompts_for(problems, self.tokenizer)
-            self._overhead[key] = loop_overhead(
-                self._model_of(row)[0], prompts, sampler=sampler, gen_length=row["gen_length"],
-                bucket=canvas - row["gen_length"], tokenizer=self.tokenizer,
-                **row["options"])
+            self._overhead[key] = sum(loop_overhead(
+                self._model_of(row)[0], prompts[g * b:(g + 1) * b], sampler=sampler,
+                gen_length=row["gen_length"], bucket=canvas - row["gen_length"],
+                tokenizer=self.tokenizer, **row["options"]) for g in range(groups)) / groups
         return self._overhead[key]
+
+    def prepare(self, rows: list[dict]) -> None:
+        """Measures the call shapes of every row, each model's in one set of
+        interleaved rounds (`MeasuredCosts.measure_all`), before any row is priced."""
+        shapes: dict[int, tuple] = {}
+        for row in rows:
+            measured = self._model_of(row)[1]
+            shapes.setdefault(id(measured), (measured, []))[1].extend(
+                shape for shape, _ in row_counts(row))
+        for measured, todo in shapes.values():
+            if hasattr(measured, "measure_all"):
+                measured.measure_all(todo)
 
     def row_seconds(self, row: dict) -> tuple[float, float]:
         """(seconds of the row's calls, seconds of its loop overhead)."""
@@ -158,10 +176,14 @@ def add_projections(rows: list[dict], chips: list[tuple[str, str]], project_cfg,
       chips: [(chip, weights)] (`parse_chips`).
       project_cfg: the ModelConfig the accelerators are projected with.
       measure: for `cpu`, a `CpuCosts` (or any object with `row_seconds(row)` ->
-        (calls' seconds, overhead seconds)).
+        (calls' seconds, overhead seconds); its `prepare(rows)`, when it has one, is
+        called first).
     """
     from asynclane_jax.costs import roofline
 
+    if measure is not None and hasattr(measure, "prepare") and any(
+            chip == "cpu" for chip, _ in chips):
+        measure.prepare(rows)
     for row in rows:
         counts = row_counts(row)
         projected = dict(row.get("projected") or {})

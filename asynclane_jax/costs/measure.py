@@ -18,7 +18,8 @@ The calls run as the decode runs them: several in a row inside one compiled loop
 that neither the host's dispatch of each program nor a copy of the cache is counted
 (a decode dispatches one program for all its calls). The cache is donated to the
 program. The time is the median over a few runs of the loop, divided by its calls,
-after a compile; `MeasuredCosts` keeps one per shape.
+after a compile and half a second of untimed runs (`WARMUP_S`). `MeasuredCosts`
+keeps one per shape, and its `measure_all` times many shapes in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def call_arrays(cfg, shape: CallShape) -> dict:
 
 # Calls per timed run of the loop (the host's dispatch of the program is shared by them).
 CALLS_PER_RUN = 8
+WARMUP_S = 0.5  # seconds of untimed runs after each compile
 SENTINEL = 1234.5678  # a logit sum the loop never reaches in practice
 
 
@@ -82,6 +84,32 @@ def _program(graphdef, key_len, calls: int):
     return jax.jit(run, donate_argnums=(1,))
 
 
+def _timer(model, shape: CallShape, calls: int):
+    """A compiled loop of `calls` calls of `shape` on `model`, run once (the compile);
+    returns a function that runs it once more and gives the seconds per call."""
+    graphdef, params = nnx.split(model)
+    args = call_arrays(model.cfg, shape)
+    calls = max(1, int(calls))
+    fn = _program(graphdef, args.pop("key_len"), calls)
+    state = {"cache": args.pop("cache")}
+    rest = (args["tokens"], args["positions"], args["key_mask"], args["write_index"],
+            args["logits_index"])
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        state["cache"], acc = fn(params, state["cache"], *rest)
+        jax.block_until_ready(acc)
+        return (time.perf_counter() - t0) / calls
+
+    run()  # compiles
+    # The first runs after a compile can be several times slower than the rest (seen
+    # on this CPU for hundreds of milliseconds): they are run and not kept.
+    end = time.perf_counter() + WARMUP_S
+    while time.perf_counter() < end:
+        run()
+    return run
+
+
 def measure_call(model, shape: CallShape, repeat: int = 5, calls: int = CALLS_PER_RUN
                  ) -> float:
     """Median seconds of one call of `shape` on `model`: `calls` calls in one compiled
@@ -93,32 +121,19 @@ def measure_call(model, shape: CallShape, repeat: int = 5, calls: int = CALLS_PE
       repeat: timed runs of the loop (at least 1).
       calls: calls per run (at least 1).
     """
-    graphdef, params = nnx.split(model)
-    args = call_arrays(model.cfg, shape)
-    calls = max(1, int(calls))
-    fn = _program(graphdef, args.pop("key_len"), calls)
-    cache = args.pop("cache")
-    rest = (args["tokens"], args["positions"], args["key_mask"], args["write_index"],
-            args["logits_index"])
-    cache, acc = fn(params, cache, *rest)
-    jax.block_until_ready(acc)
-    times = []
-    for _ in range(max(1, int(repeat))):
-        t0 = time.perf_counter()
-        cache, acc = fn(params, cache, *rest)
-        jax.block_until_ready(acc)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / calls
+    run = _timer(model, shape, calls)
+    return statistics.median(run() for _ in range(max(1, int(repeat))))
 
 
 class MeasuredCosts:
     """The measured "cpu" chip of one model: `call_time(shape)` in seconds, measured
-    once per shape (`measure_call`) and remembered; `roofline.decode_time` and
-    `tokens_per_s` take it in place of a chip."""
+    once per shape (`measure_call`, `repeat` timed runs: the median of nine stays
+    put when a few runs meet a busy spell of a shared machine) and remembered;
+    `roofline.decode_time` and `tokens_per_s` take it in place of a chip."""
 
     key = "cpu"
 
-    def __init__(self, model, repeat: int = 5):
+    def __init__(self, model, repeat: int = 9):
         self.model = model
         self.cfg = model.cfg
         self.repeat = repeat
@@ -129,6 +144,20 @@ class MeasuredCosts:
         if shape not in self.times:
             self.times[shape] = measure_call(self.model, shape, self.repeat)
         return self.times[shape]
+
+    def measure_all(self, shapes) -> None:
+        """Measures every shape of `shapes` not yet measured, in `repeat` interleaved
+        rounds (one timed run of each shape per round, the median per shape kept).
+        A busy spell of a shared machine lasts longer than one shape's few runs: in
+        rounds it falls on a run of every shape rather than on all runs of one."""
+        todo = [s for s in dict.fromkeys(shapes) if s not in self.times]
+        timers = {s: _timer(self.model, s, CALLS_PER_RUN) for s in todo}
+        runs: dict[CallShape, list[float]] = {s: [] for s in todo}
+        for _ in range(max(1, int(self.repeat))):
+            for s in todo:
+                runs[s].append(timers[s]())
+        for s in todo:
+            self.times[s] = statistics.median(runs[s])
 
 
 __all__ = ["MeasuredCosts", "call_arrays", "measure_call"]

@@ -54,3 +54,24 @@ def test_measured_once_per_shape(monkeypatch):
     assert seconds == pytest.approx(2 * costs.times[full] + 5 * first)
     assert tokens_per_s(costs, CFG, [(full, 2), (cached, 5)], 40) == pytest.approx(
         40 / seconds)
+
+
+def test_measure_all_times_each_new_shape_in_rounds(monkeypatch):
+    model = init_model(CFG, 0)
+    costs = MeasuredCosts(model, repeat=3)
+    cached = CallShape("cached", 1, 8, T, 8, True, T)
+    full = CallShape("full", 1, T, T, 8, True, T)
+    costs.times[full] = 1.0  # already measured: kept, not timed again
+    order = []
+    real = measure_lib._timer
+
+    def timer(model, shape, calls):
+        run = real(model, shape, calls)
+        return lambda: order.append(shape) or run()
+
+    monkeypatch.setattr(measure_lib, "_timer", timer)
+    other = CallShape("cached", 1, 16, T, 16, True, T)
+    costs.measure_all([cached, full, other, cached])
+    assert costs.times[full] == 1.0
+    assert order == [cached, other] * 3  # one run of each shape per round
+    assert costs.times[cached] > 0 and costs.times[other] > 0
