@@ -36,6 +36,16 @@ SAMPLERS = ("d2f@{model}-d2f,fast-dllm:cache=dual,localleap:cache=dual,eb,"
             "fast-dllm:cache=dual:cascade=true:early_stop=true:threshold=0.9,"
             "fast-dllm:cache=dual:cascade=true:early_stop=true:renew=256:threshold=0.9,"
             "asynclane,asynclane:renew=256")
+def _dirty() -> str:
+    """' (with uncommitted edits to asynclane_jax)' when the package's files differ
+    from the commit, else ''."""
+    import subprocess
+
+    out = subprocess.run(["git", "status", "--porcelain", "--", "asynclane_jax"], cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    return " (with uncommitted edits to asynclane_jax)" if out.strip() else ""
+
+
 AIM = 0.15  # the issue's aim: every sampler within 15%
 
 
@@ -67,7 +77,8 @@ def markdown(rows: list[dict], command: str, meta: dict) -> str:
              f"{meta['n']} held-out problems per row, batch 1, samplers interleaved "
              "(asynclane_jax.bench.runner). `measured s`: the bench's decode time "
              "(compilation excluded). `calls s`: every recorded call priced at its shape's "
-             "time measured here, one shape at a time in a jitted program "
+             "time measured here, in a jitted loop of calls of that shape, every shape "
+             "in interleaved rounds "
              "(asynclane_jax.costs.measure). `loop s`: calls x the schedule's own work "
              "per call, measured with the model's layers taken out "
              "(asynclane_jax.costs.loop). `error`: predicted (calls + loop) over measured, "
@@ -105,7 +116,7 @@ def main() -> int:
         rows += check_model(name, args.n, gen_lengths, specs)
     command = "python " + " ".join(shlex.quote(a) for a in
                                    ["experiments/cost_cpu_check.py", *sys.argv[1:]])
-    meta = {"commit": _commit(), "n": args.n,
+    meta = {"commit": _commit() + _dirty(), "n": args.n,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
