@@ -25,19 +25,34 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 from typing import Any
 
 from asynclane_jax.serve import protocol, require
 from asynclane_jax.serve.engine import EngineError, EngineStopped, QueueFull
+from asynclane_jax.serve.guard import Guard, HostGate, Security
 from asynclane_jax.serve.protocol import RequestError
 
 log = logging.getLogger("asynclane_jax.serve")
 
 # How often a waiting request checks whether its client is still there (seconds).
 DISCONNECT_POLL_S = 0.25
+# At SIGTERM, seconds past the drain for the requests the drain cancelled to tell their
+# clients (the engine cancels at its next chunk boundary) before uvicorn cuts them.
+DRAIN_MARGIN_S = 10.0
 
 
-def _spec(engine, default_max_tokens: int | None, server_options: dict | None):
+def _longest_token(tok) -> int | None:
+    """The most characters one token of `tok` stands for (its vocabulary's longest
+    entry), or None when the tokenizer does not say."""
+    try:
+        return max(len(t) for t in tok.get_vocab()) or None
+    except Exception:  # no get_vocab, an empty one
+        return None
+
+
+def _spec(engine, default_max_tokens: int | None, server_options: dict | None,
+          max_prompt_chars: int | None = None):
     from asynclane_jax.decoding.registry import get_schedule_class, option_fields
 
     fields = {n: f.default for n, f in option_fields(get_schedule_class(engine.sampler)).items()}
@@ -54,11 +69,16 @@ def _spec(engine, default_max_tokens: int | None, server_options: dict | None):
             vocab = len(tok)
     if server_options is None:
         server_options = dict(getattr(engine, "options", None) or {})
+    if max_prompt_chars is None and tok is not None:
+        # No prompt of at most max_prompt tokens is longer than this.
+        longest = _longest_token(tok)
+        if longest is not None:
+            max_prompt_chars = engine.max_prompt * max(longest, 1)
     return protocol.ServingSpec(
         model_name=engine.model_name, sampler=engine.sampler, sampler_fields=fields,
         server_options=server_options, max_tokens=largest,
         default_max_tokens=default_max_tokens, max_prompt=engine.max_prompt,
-        vocab_size=vocab)
+        vocab_size=vocab, max_prompt_chars=max_prompt_chars)
 
 
 class _Submitted:
@@ -90,7 +110,7 @@ class _Submitted:
                                    type="server_error", code="shutting_down",
                                    status=503) from None
             param = "sampler_options" if parsed.options else None
-            raise RequestError(str(e), param=param) from None
+            raise RequestError(protocol.scrub(str(e)), param=param) from None
         self.request_id = self.handle.request_id
 
     def _on_update(self, update) -> None:
@@ -142,7 +162,8 @@ class _Submitted:
                         yield ("error", 503, "the request was cancelled by the server "
                                              "(shutting down)")
                     else:
-                        yield ("error", 500, update.error or "the engine failed this request")
+                        yield ("error", 500, protocol.scrub(update.error or "the engine "
+                                                            "failed this request"))
                     return
                 if text:
                     yield ("text", text)
@@ -155,7 +176,8 @@ class _Submitted:
 
 def create_app(engine, *, default_max_tokens: int | None = None,
                server_options: dict | None = None, drain_timeout: float | None = 120.0,
-               manage_engine: bool = True):
+               manage_engine: bool = True, security: Security | None = None,
+               max_prompt_chars: int | None = None):
     """The FastAPI app serving `engine`.
 
     Args:
@@ -168,6 +190,15 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         are cut, and the engine's drain timeout (None: no limit).
       manage_engine: start the engine at app startup and shut it down (draining) at app
         shutdown; False when the caller does both.
+      security: the API key, the accepted Host names and origins and the body bound
+        (`guard.Security`; default: no key, loopback names, 1 MiB).
+      max_prompt_chars: the longest prompt text (characters), refused before it is
+        tokenized (default: max_prompt times the tokenizer's longest token).
+
+    At SIGTERM the server calls `app.state.begin_drain()` (asynclane-jax serve does, as
+    uvicorn starts its graceful shutdown): the engine stops admitting, finishes what is
+    in flight for up to drain_timeout seconds and then cancels the rest, whose clients
+    get an error (a 503 body, or an error event and [DONE] in a stream).
 
     Returns:
       The app (an ASGI application).
@@ -178,8 +209,25 @@ def create_app(engine, *, default_max_tokens: int | None = None,
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    spec = _spec(engine, default_max_tokens, server_options)
+    spec = _spec(engine, default_max_tokens, server_options, max_prompt_chars)
+    security = security or Security()
     created = protocol.now()
+    drain_lock = threading.Lock()
+    drain_thread: list[threading.Thread] = []
+
+    def begin_drain() -> threading.Thread | None:
+        """Starts the engine's drain on a thread of its own (once); returns it."""
+        if not manage_engine:
+            return None
+        with drain_lock:
+            if not drain_thread:
+                log.info("draining the engine (up to %s s)", drain_timeout)
+                t = threading.Thread(target=engine.shutdown, name="asynclane-drain",
+                                     kwargs={"drain": True, "timeout": drain_timeout},
+                                     daemon=True)
+                t.start()
+                drain_thread.append(t)
+            return drain_thread[0]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -192,13 +240,24 @@ def create_app(engine, *, default_max_tokens: int | None = None,
             yield
         finally:
             if manage_engine:
-                log.info("draining the engine")
-                await asyncio.to_thread(engine.shutdown, drain=True, timeout=drain_timeout)
+                await asyncio.to_thread(begin_drain().join)
 
     app = fastapi.FastAPI(title="asynclane-jax", lifespan=lifespan, docs_url=None,
                           redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.spec = spec
+    app.state.security = security
+    app.state.begin_drain = begin_drain
+    # Outermost first: Host and Origin, then CORS for the allowed origins, then the key,
+    # the content type and the bounded body (add_middleware puts each outside the last).
+    app.add_middleware(Guard, security=security)
+    if security.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(security.allowed_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(HostGate, security=security)
 
     def error_response(err: RequestError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -213,6 +272,12 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         return JSONResponse(protocol.error_body(str(exc.detail), code=kind),
                             status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc):  # a bug: still JSON, and no detail leaks
+        log.error("internal error (%s) answering %s", type(exc).__name__, request.url.path)
+        return JSONResponse(protocol.error_body("internal server error", type="server_error"),
+                            status_code=500)
+
     async def read_json(request) -> Any:
         raw = await request.body()
         try:
@@ -223,14 +288,21 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         if not text.strip():
             raise RequestError("the request body is empty; send a JSON object")
         try:
-            return json.loads(text)
+            body = json.loads(text)
         except json.JSONDecodeError as e:
             raise RequestError(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError("the request body nests too deeply") from None
+        except ValueError as e:  # e.g. an integer past Python's digit limit
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+        protocol.check_tree(body)
+        return body
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": engine.model_name, "sampler": engine.sampler,
-                "gen_lengths": list(engine.gen_lengths), **engine.stats()}
+    async def health():  # unauthenticated: nothing in it names a file of the machine
+        return protocol.redact_paths({
+            "status": "ok", "model": engine.model_name, "sampler": engine.sampler,
+            "gen_lengths": list(engine.gen_lengths), **engine.stats()})
 
     def model_card() -> dict:
         return {"id": engine.model_name, "object": "model", "created": created,
@@ -256,8 +328,11 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         made = protocol.now()
         name = engine.model_name
         if parsed.stream:
+            # At SIGTERM a stream runs on through the drain (it ends itself: its text, or
+            # an error event once the drain cancels it), and is cut only past the margin.
+            grace = 1e9 if drain_timeout is None else drain_timeout + DRAIN_MARGIN_S
             return EventSourceResponse(_stream(sub, rid, made, name, chat),
-                                       shutdown_grace_period=(drain_timeout or 1e9))
+                                       shutdown_grace_period=grace)
         try:
             parts, finish = [], None
             async for ev in sub.events():

@@ -8,7 +8,13 @@ The sampler and its options are the `generate` flags; they apply to every reques
 request may override options through its `sampler_options` field). Generation lengths
 are buckets, each one compiled program: 128, 256, 512 up to --max-tokens (which is the
 largest), or --gen-lengths; a request decodes at the smallest bucket >= its max_tokens.
-SIGTERM (or Ctrl-C) stops admitting requests, finishes those in flight and exits 0.
+SIGTERM (or Ctrl-C) stops admitting requests, finishes those in flight (up to
+--drain-timeout; the rest get an error) and exits 0.
+
+Locked by default: on a loopback address only requests that name this machine (Host) and
+come from no web page (or its own origin) are served; anywhere else an API key is
+required (--api-key, --api-key-file or ASYNCLANE_API_KEY), sent as `Authorization: Bearer
+<key>`. Bodies are JSON of at most --max-body-bytes.
 
 Needs the serve extra: pip install 'asynclane-jax[serve]'.
 """
@@ -17,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
 from asynclane_jax.errors import UsageError
+from asynclane_jax.serve.guard import DEFAULT_MAX_BODY_BYTES
 
 DEFAULT_BUCKETS = (128, 256, 512)
+API_KEY_ENV = "ASYNCLANE_API_KEY"
 DESCRIPTION = ("An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                "streaming) with continuous batching over the decode loop's row slots.")
 
@@ -69,7 +78,40 @@ def register(subparsers) -> None:
     # compiling them) is added and enabled by asynclane_jax.cli for every command that
     # compiles (asynclane_jax.compile_cache).
     p.add_argument("--drain-timeout", type=float, default=120.0, metavar="S",
-                   help="at SIGTERM, seconds to let requests in flight finish (default 120)")
+                   help="at SIGTERM, seconds to let requests in flight finish (default "
+                        "120); those still running then get an error (an error event and "
+                        "[DONE] in a stream, a 503 otherwise)")
+    g = p.add_argument_group("security")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the key clients send as `Authorization: Bearer KEY` (else 401); "
+                        "required unless --host is a loopback address. Prefer "
+                        f"--api-key-file or ${API_KEY_ENV}: a command line is visible to "
+                        "other users of the machine")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (its first line)")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGIN,...",
+                   help="web page origins (e.g. https://app.example.com) that may call the "
+                        "server from a browser, which get CORS headers; '*' for any. "
+                        "Default: none (a request with another Origin header is a 403)")
+    g.add_argument("--allowed-hosts", default=None, metavar="NAME,...",
+                   help="further names the server may be reached by (the Host header), "
+                        "e.g. behind a proxy; '*' for any. Default: loopback names, the "
+                        "--host address (for 0.0.0.0: the machine's names and any IP "
+                        "address); another Host is a 403 (DNS rebinding)")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="the largest request body, read with this bound (else 413; "
+                        f"default {DEFAULT_MAX_BODY_BYTES} = 1 MiB)")
+    g.add_argument("--max-prompt-chars", type=int, default=None, metavar="N",
+                   help="the longest prompt text in characters (a chat's contents "
+                        "together), refused before it is tokenized (default: --max-prompt "
+                        "times the tokenizer's longest token, which no prompt that fits "
+                        "exceeds)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds a connection has to send a request's headers (default 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request has to send its body (else 408; default 30)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds an idle keep-alive connection stays open (default 5)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     _add_sampler_args(p)
@@ -115,7 +157,7 @@ def run(args) -> int:
     from asynclane_jax.serve import require
 
     require("fastapi")
-    uvicorn = require("uvicorn")
+    require("uvicorn")
     require("sse_starlette")
     if args.gen_length is not None:
         raise UsageError("serve: --gen-length is per request here; use --max-tokens (the "
@@ -123,7 +165,13 @@ def run(args) -> int:
     if args.seed != 0:
         raise UsageError("serve: --seed is not honoured under continuous batching (the "
                          "requests in the loop share one random stream)")
-    _positive(args, "slots", "chunk", "queue", "default_max_tokens", "max_prompt")
+    _positive(args, "slots", "chunk", "queue", "default_max_tokens", "max_prompt",
+              "max_body_bytes", "max_prompt_chars")
+    for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "drain_timeout"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be "
+                             "positive seconds")
+    security = security_from_args(args)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port}: must be in [0, 65535]")
     buckets = gen_lengths(args.max_tokens, args.gen_lengths)
@@ -161,24 +209,163 @@ def run(args) -> int:
     if tokenizer is None:
         raise UsageError(f"model {name} has no tokenizer: the server needs one")
     try:
-        engine = Engine(model, tokenizer, model_name=args.served_model_name or name,
+        engine = Engine(model, tokenizer,
+                        model_name=args.served_model_name or public_model_name(name),
                         sampler=sampler, options=options, slots=args.slots,
                         gen_lengths=buckets, chunk=args.chunk, queue_size=args.queue,
                         max_prompt=args.max_prompt, prompt_lengths=prompt_lengths,
                         compile_cache=getattr(args, "compile_cache", None))
         app = create_app(engine, default_max_tokens=args.default_max_tokens,
-                         server_options=options, drain_timeout=args.drain_timeout)
+                         server_options=options, drain_timeout=args.drain_timeout,
+                         security=security, max_prompt_chars=args.max_prompt_chars)
     except EngineError as e:
         raise UsageError(str(e)) from None
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
-    server = uvicorn.Server(config)
-    _exit_quietly_after_drain(server)
-    server.run()
+    server = serve_app(app, host=args.host, port=args.port, log_level=args.log_level,
+                       drain_timeout=args.drain_timeout, header_timeout=args.header_timeout,
+                       keep_alive_timeout=args.keep_alive_timeout)
     if not server.started:  # the app did not start (the error is logged above)
         print("asynclane-jax serve: error: the server did not start", file=sys.stderr)
         return 1
     return 0
+
+
+def public_model_name(model: str) -> str:
+    """The name a model is served by when --served-model-name is not given: --model as
+    given, but a folder's last part only (no path of the machine goes to clients)."""
+    if os.sep in model or "/" in model:
+        return os.path.basename(os.path.normpath(model)) or model
+    return model
+
+
+def api_key_from(args, environ=os.environ) -> str | None:
+    """The API key: --api-key, --api-key-file or $ASYNCLANE_API_KEY (one of them).
+
+    Raises:
+      UsageError: two given, an unreadable or empty file, an empty key.
+    """
+    given = [(n, v) for n, v in (("--api-key", args.api_key),
+                                 ("--api-key-file", args.api_key_file)) if v is not None]
+    if len(given) > 1:
+        raise UsageError("serve: give --api-key or --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--api-key-file: cannot read it ({type(e).__name__})") from None
+        if not key:
+            raise UsageError("--api-key-file: its first line is empty")
+        return key
+    if args.api_key is not None:
+        key = args.api_key.strip()
+        if not key:
+            raise UsageError("--api-key: the key is empty")
+        return key
+    key = environ.get(API_KEY_ENV, "").strip()
+    return key or None
+
+
+def _names(value: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (value or "").split(",") if x.strip())
+
+
+def security_from_args(args, environ=os.environ):
+    """The server's `guard.Security` from the command line.
+
+    Raises:
+      UsageError: no API key for an address beyond loopback, bad limits.
+    """
+    from asynclane_jax.serve.guard import Security, is_loopback, own_hosts
+
+    key = api_key_from(args, environ)
+    if key is None and not is_loopback(args.host):
+        raise UsageError(f"serve: --host {args.host} listens beyond this machine: give an "
+                         f"API key (--api-key-file FILE, ${API_KEY_ENV}, or --api-key) so "
+                         "that only clients holding it are served")
+    hosts, any_ip = own_hosts(args.host)
+    return Security(api_key=key, hosts=hosts, any_ip_host=any_ip,
+                    allowed_hosts=_names(args.allowed_hosts),
+                    allowed_origins=_names(args.allowed_origins),
+                    max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
+
+
+def serve_app(app, *, host: str, port: int, log_level: str = "info",
+              drain_timeout: float | None = 120.0, header_timeout: float = 10.0,
+              keep_alive_timeout: float = 5.0, sockets=None):
+    """Runs `app` (create_app's) on uvicorn until SIGTERM / Ctrl-C; returns the server.
+
+    At the signal, uvicorn stops accepting connections and the app's drain begins at
+    once (`app.state.begin_drain`), so that the requests the drain cancels tell their
+    clients before uvicorn's own graceful timeout (drain + a margin) could cut them.
+    Headers must arrive within header_timeout seconds of a connection's start (or of its
+    previous response); a request's headers are at most 16 KiB.
+    """
+    from asynclane_jax.serve import require
+    from asynclane_jax.serve.app import DRAIN_MARGIN_S
+
+    uvicorn = require("uvicorn")
+
+    graceful = None if drain_timeout is None else drain_timeout + DRAIN_MARGIN_S
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful, lifespan="on",
+                            http=_header_timeout_protocol(header_timeout),
+                            timeout_keep_alive=keep_alive_timeout,
+                            h11_max_incomplete_event_size=16 * 1024)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and hasattr(app.state, "begin_drain"):
+                app.state.begin_drain()
+
+    server = Server(config)
+    _exit_quietly_after_drain(server)
+    server.run(sockets=sockets)
+    return server
+
+
+def _header_timeout_protocol(timeout: float):
+    """uvicorn's h11 protocol, closing a connection whose request headers have not all
+    arrived within `timeout` seconds of its start or of its previous response (uvicorn
+    itself times out idle keep-alive connections only, not slow headers)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class H11WithHeaderTimeout(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(timeout, self._headers_late)
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._rearm()
+
+        def _rearm(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(timeout, self._headers_late)
+
+        def _waiting_for_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def data_received(self, data):
+            super().data_received(data)
+            if not self._waiting_for_headers() and self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_lost(self, exc):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _headers_late(self):
+            self._header_timer = None
+            if self._waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+    return H11WithHeaderTimeout
 
 
 def _exit_quietly_after_drain(server) -> None:

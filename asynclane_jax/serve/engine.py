@@ -325,6 +325,8 @@ class Engine:
                                  **merged).bind(self.tokenizer, self.cfg)
         except SamplerError as e:
             raise EngineError(str(e)) from None
+        except (TypeError, ValueError, OverflowError) as e:  # an option's value
+            raise EngineError(f"{self.sampler}: {type(e).__name__}: {e}") from None
 
     def _key(self, options, gen_length: int, prompt_length: int) -> tuple:
         return (self._schedule(options, gen_length), gen_length, prompt_length)

@@ -34,12 +34,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 MAX_STOP = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+# How deep a request body may nest (OpenAI's schema needs 5: messages, a message, its
+# content parts, a part); deeper is a 400 before anything else reads it.
+MAX_DEPTH = 32
+# Options a request may never set: the sampler and the bucket are the server's, and
+# options that name files are the operator's (set at start), never a client's.
+STRUCTURAL_OPTIONS = {"sampler": "the sampler is the server's (asynclane-jax serve --sampler)",
+                      "gen_length": "the generation length follows max_tokens (the server's "
+                                    "buckets)"}
+FILE_OPTIONS = ("routers",)
 
 
 class RequestError(Exception):
@@ -80,6 +91,8 @@ class ServingSpec:
       default_max_tokens: max_tokens when a request gives none.
       max_prompt: the longest prompt in tokens.
       vocab_size: token ids of a prompt must be below it.
+      max_prompt_chars: the longest prompt text in characters (a chat's contents
+        together), refused before it is tokenized (None: no bound but max_prompt).
     """
 
     model_name: str
@@ -90,6 +103,7 @@ class ServingSpec:
     default_max_tokens: int
     max_prompt: int
     vocab_size: int | None = None
+    max_prompt_chars: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +138,72 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(float(v)))
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:  # an integer of hundreds of digits
+        return False
+
+
+def _show(v, limit: int = 60) -> str:
+    """A value as a message quotes it: its repr, cut to `limit` characters."""
+    try:
+        text = repr(v)
+    except (ValueError, RecursionError):  # an integer past Python's digit limit
+        text = f"<a {type(v).__name__} too large to show>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_tree(body: Any, max_depth: int = MAX_DEPTH) -> None:
+    """Refuses a decoded JSON body nested deeper than max_depth, or holding a string
+    (or key) that is not valid Unicode (a lone surrogate such as "\\ud800", which JSON
+    escapes can carry but no tokenizer or UTF-8 response can).
+
+    Raises:
+      RequestError: 400.
+    """
+    stack = [(body, 1, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if depth > max_depth:
+            raise _bad(f"the request body nests deeper than {max_depth} levels", None)
+        if isinstance(v, str):
+            _check_text(v, where)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                _check_text(k, where or "the request body")
+                stack.append((x, depth + 1, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1, f"{where}[{i}]") for i, x in enumerate(v))
+
+
+def _check_text(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"{where or 'the request body'}: a lone surrogate "
+                   f"({s[e.start]!r}) is not valid Unicode text", where or None) from None
+
+
+_ABS_PATH = re.compile(r"(?<![\w.:/~])(?:~|/(?!v1/))(?:[^\s/'\"]+/)+[^\s/'\",;)]*")
+
+
+def scrub(message: str) -> str:
+    """A message with the absolute paths in it replaced by <path> (errors from the
+    engine or a library may name files of the server's machine)."""
+    return _ABS_PATH.sub("<path>", message)
+
+
+def redact_paths(obj: Any) -> Any:
+    """obj with every string that is an absolute path (or under ~) replaced by <path>."""
+    if isinstance(obj, str):
+        return "<path>" if os.path.isabs(obj) or obj.startswith("~") else scrub(obj)
+    if isinstance(obj, dict):
+        return {k: redact_paths(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_paths(v) for v in obj]
+    return obj
 
 
 def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
@@ -133,7 +211,7 @@ def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
     if v is None:
         return None
     if not _is_number(v) or not lo <= v <= hi:
-        raise _bad(f"{name}={v!r}: must be a number in [{lo:g}, {hi:g}]", name)
+        raise _bad(f"{name}={_show(v)}: must be a number in [{lo:g}, {hi:g}]", name)
     return float(v)
 
 
@@ -144,7 +222,7 @@ def _only(body: dict, name: str, allowed: Sequence, why: str) -> None:
     v = body[name]
     if any(type(v) is type(a) and v == a for a in allowed) or v is None:
         return
-    raise _bad(f"{name}={v!r} is not supported: {why}", name)
+    raise _bad(f"{name}={_show(v)} is not supported: {why}", name)
 
 
 def parse_request(body: Any, spec: ServingSpec, tokenizer, *, chat: bool) -> ParsedRequest:
@@ -178,13 +256,13 @@ def parse_request(body: Any, spec: ServingSpec, tokenizer, *, chat: bool) -> Par
         raise _bad("'model' is required: a string, the served model "
                    f"{spec.model_name!r}", "model")
     if model != spec.model_name:
-        raise RequestError(f"The model {model!r} does not exist; this server serves "
+        raise RequestError(f"The model {_show(model)} does not exist; this server serves "
                            f"{spec.model_name!r} (GET /v1/models)", param="model",
                            code="model_not_found", status=404)
 
     # What cannot be honoured: refused unless at its "off" value.
     if "n" in body and body["n"] is not None and not (_is_int(body["n"]) and body["n"] == 1):
-        raise _bad(f"n={body['n']!r} is not supported: one choice per request (n=1)", "n")
+        raise _bad(f"n={_show(body['n'])} is not supported: one choice per request (n=1)", "n")
     if chat:
         _only(body, "logprobs", (False,), "log-probabilities are not returned")
         _only(body, "top_logprobs", (0,), "log-probabilities are not returned")
@@ -194,41 +272,43 @@ def parse_request(body: Any, spec: ServingSpec, tokenizer, *, chat: bool) -> Par
         _only(body, "function_call", ("none",), "function calls are not supported")
         rf = body.get("response_format")
         if rf is not None and rf != {"type": "text"}:
-            raise _bad(f"response_format={rf!r} is not supported: only {{'type': 'text'}}",
+            raise _bad(f"response_format={_show(rf)} is not supported: only {{'type': 'text'}}",
                        "response_format")
         ptc = body.get("parallel_tool_calls")
         if ptc is not None and not isinstance(ptc, bool):
-            raise _bad(f"parallel_tool_calls={ptc!r}: must be a boolean", "parallel_tool_calls")
+            raise _bad(f"parallel_tool_calls={_show(ptc)}: must be a boolean",
+                       "parallel_tool_calls")
     else:
         _only(body, "logprobs", (), "log-probabilities are not returned")
         if "best_of" in body and body["best_of"] is not None and not (
                 _is_int(body["best_of"]) and body["best_of"] == 1):
-            raise _bad(f"best_of={body['best_of']!r} is not supported: only 1", "best_of")
+            raise _bad(f"best_of={_show(body['best_of'])} is not supported: only 1", "best_of")
         _only(body, "echo", (False,), "the prompt is not echoed")
         _only(body, "suffix", ("",), "insertion (a suffix) is not supported")
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and not (_is_number(v) and v == 0):
-            raise _bad(f"{name}={v!r} is not supported: only 0", name)
+            raise _bad(f"{name}={_show(v)} is not supported: only 0", name)
     lb = body.get("logit_bias")
     if lb is not None and lb != {}:
-        raise _bad(f"logit_bias is not supported (got {lb!r}); only {{}} or null", "logit_bias")
+        raise _bad(f"logit_bias is not supported (got {_show(lb)}); only {{}} or null",
+                   "logit_bias")
 
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise _bad(f"stream={stream!r}: must be a boolean", "stream")
+        raise _bad(f"stream={_show(stream)}: must be a boolean", "stream")
     so = body.get("stream_options")
     if so is not None and not isinstance(so, dict):
-        raise _bad(f"stream_options={so!r}: must be an object", "stream_options")
+        raise _bad(f"stream_options={_show(so)}: must be an object", "stream_options")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _bad(f"user={user!r}: must be a string", "user")
+        raise _bad(f"user={_show(user)}: must be a string", "user")
 
     max_tokens = _max_tokens(body, spec, chat)
     stop = _stop(body)
     options = _options(body, spec)
     if chat:
-        prompt_ids = _chat_prompt(body, tokenizer)
+        prompt_ids = _chat_prompt(body, tokenizer, spec)
         where = "messages"
     else:
         prompt_ids = _completion_prompt(body, tokenizer, spec)
@@ -248,7 +328,7 @@ def _max_tokens(body: dict, spec: ServingSpec, chat: bool) -> int:
     given = {n: body[n] for n in names if body.get(n) is not None}
     for name, v in given.items():
         if not _is_int(v) or v < 1:
-            raise _bad(f"{name}={v!r}: must be a positive integer", name)
+            raise _bad(f"{name}={_show(v)}: must be a positive integer", name)
         if v > spec.max_tokens:
             raise _bad(f"{name}={v} is more than this server generates: at most "
                        f"{spec.max_tokens} tokens per request (its largest generation "
@@ -266,7 +346,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)
             or len(stops) > MAX_STOP):
-        raise _bad(f"stop={stop!r}: must be a string or a list of at most {MAX_STOP} strings",
+        raise _bad(f"stop={_show(stop)}: must be a string or a list of at most {MAX_STOP} strings",
                    "stop")
     if any(s == "" for s in stops):
         raise _bad("stop: an empty string would stop before any text", "stop")
@@ -280,8 +360,23 @@ def _options(body: dict, spec: ServingSpec) -> dict:
     if so is None:
         so = {}
     if not isinstance(so, dict):
-        raise _bad(f"sampler_options={so!r}: must be an object of {spec.sampler}'s options",
+        raise _bad(f"sampler_options={_show(so)}: must be an object of {spec.sampler}'s options",
                    "sampler_options")
+    for key, value in so.items():
+        param = f"sampler_options.{key}"
+        if key in STRUCTURAL_OPTIONS:
+            raise _bad(f"{param} cannot be set per request: {STRUCTURAL_OPTIONS[key]}",
+                       "sampler_options")
+        if key in FILE_OPTIONS:
+            raise _bad(f"{param} names files: only the operator sets it, when the server "
+                       "starts, never a request", "sampler_options")
+        if key not in spec.sampler_fields:
+            raise _bad(f"sampler_options: unknown option {_show(key)} of the sampler "
+                       f"{spec.sampler!r}; accepted: {', '.join(sorted(spec.sampler_fields))}",
+                       "sampler_options")
+        if not _option_value(value):
+            raise _bad(f"{param}={_show(value)}: must be a number, a string, a boolean, null "
+                       "or a short list of these", "sampler_options")
     options = dict(so)
     for name, lo, hi, neutral in (("temperature", 0.0, 2.0, 0.0), ("top_p", 0.0, 1.0, 1.0)):
         v = _number(body, name, lo, hi)
@@ -296,13 +391,14 @@ def _options(body: dict, spec: ServingSpec) -> dict:
         if name == "top_p" and v == 0:
             raise _bad("top_p=0 keeps no token: must be in (0, 1]", name)
         if name in options and options[name] != v:
-            raise _bad(f"{name}={v:g} and sampler_options.{name}={options[name]!r} disagree; "
+            raise _bad(f"{name}={v:g} and sampler_options.{name}={_show(options[name])} "
+                       "disagree; "
                        "give one", name)
         options[name] = v
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed):
-            raise _bad(f"seed={seed!r}: must be an integer", "seed")
+            raise _bad(f"seed={_show(seed)}: must be an integer", "seed")
         temp = options.get("temperature", spec.server_options.get(
             "temperature", spec.sampler_fields.get("temperature", 0.0)))
         if _is_number(temp) and temp > 0:
@@ -313,6 +409,30 @@ def _options(body: dict, spec: ServingSpec) -> dict:
     return options
 
 
+def _option_value(v, top: bool = True) -> bool:
+    if v is None or isinstance(v, (bool, str)):
+        return not isinstance(v, str) or len(v) <= 256
+    if isinstance(v, (int, float)):
+        return _is_number(v)
+    return top and isinstance(v, list) and len(v) <= 64 and all(
+        _option_value(x, top=False) for x in v)
+
+
+def _prompt_chars(n: int, where: str, spec: ServingSpec) -> None:
+    if spec.max_prompt_chars is not None and n > spec.max_prompt_chars:
+        raise _bad(f"the {where} is {n} characters; this server takes at most "
+                   f"{spec.max_prompt_chars} (its prompts are at most {spec.max_prompt} "
+                   "tokens)", where, code="context_length_exceeded")
+
+
+def _encode(tokenizer, text: str, where: str) -> list[int]:
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as e:  # a tokenizer that refuses the text: the client's input
+        raise _bad(f"the {where} could not be tokenized ({type(e).__name__})", where) \
+            from None
+
+
 def _completion_prompt(body: dict, tokenizer, spec: ServingSpec) -> list[int]:
     prompt = body.get("prompt")
     if prompt is None:
@@ -320,12 +440,16 @@ def _completion_prompt(body: dict, tokenizer, spec: ServingSpec) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
+        _prompt_chars(len(prompt), "prompt", spec)
+        return _encode(tokenizer, prompt, "prompt")
+    if isinstance(prompt, list) and len(prompt) > spec.max_prompt:
+        raise _bad(f"the prompt is {len(prompt)} tokens; this server takes at most "
+                   f"{spec.max_prompt}", "prompt", code="context_length_exceeded")
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt
                if t < 0 or (spec.vocab_size is not None and t >= spec.vocab_size)]
         if bad:
-            raise _bad(f"prompt: token id(s) {bad[:5]} outside the vocabulary "
+            raise _bad(f"prompt: token id(s) {_show(bad[:5])} outside the vocabulary "
                        f"[0, {spec.vocab_size})", "prompt")
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -335,7 +459,7 @@ def _completion_prompt(body: dict, tokenizer, spec: ServingSpec) -> list[int]:
     raise _bad("prompt: must be a string or a list of token ids", "prompt")
 
 
-def _chat_prompt(body: dict, tokenizer) -> list[int]:
+def _chat_prompt(body: dict, tokenizer, spec: ServingSpec) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' is required: a non-empty list of {role, content}", "messages")
@@ -350,7 +474,7 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
                        "role and content)", f"{where}.{extra[0]}")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise _bad(f"{where}.role={role!r}: must be one of {', '.join(CHAT_ROLES)}",
+            raise _bad(f"{where}.role={_show(role)}: must be one of {', '.join(CHAT_ROLES)}",
                        f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):
@@ -367,11 +491,17 @@ def _chat_prompt(body: dict, tokenizer) -> list[int]:
             raise _bad(f"{where}.content: must be a string or a list of text parts",
                        f"{where}.content")
         turns.append({"role": role, "content": content})
+    _prompt_chars(sum(len(t["content"]) for t in turns), "messages", spec)
     if not getattr(tokenizer, "chat_template", None):
         raise _bad("this model's tokenizer has no chat template: use /v1/completions",
                    "messages")
-    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    try:
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as e:  # the template refuses these turns (e.g. their order)
+        raise _bad(f"messages: the chat template refused them ({type(e).__name__}: "
+                   f"{scrub(str(e))[:200]})", "messages") from None
+    return _encode(tokenizer, text, "messages")
 
 
 class StopCutter:

@@ -31,14 +31,17 @@ pytest.importorskip("sse_starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from serve_fakes import MODEL, PROMPT, REPLY, FakeEngine, ServerThread, sse_events, wait_for  # noqa: E402
+
 import asynclane_jax  # noqa: E402
 from asynclane_jax.serve import protocol  # noqa: E402
 from asynclane_jax.serve.app import create_app  # noqa: E402
-from asynclane_jax.serve.engine import EngineError, EngineStopped, QueueFull, Update  # noqa: E402
+from asynclane_jax.serve.engine import QueueFull  # noqa: E402
 
-MODEL = "tiny-llada"
-REPLY = "(1) 7 + 2 = 9 \n (2) 9 - 5 = 4 \n answer : 4"
-PROMPT = "x = 4 y = 7 (1) x = y + 2 (2) y = x - 5 print y"
+# The TestClient's address: a loopback name (its default "testserver" is not one of the
+# server's own names, so its requests would be refused with 403).
+LOCAL = "http://127.0.0.1"
+
 
 
 @pytest.fixture(scope="module")
@@ -49,120 +52,6 @@ def loaded():
 @pytest.fixture(scope="module")
 def tok(loaded):
     return loaded[1]
-
-
-# ----------------------------------------------------------------------- fake engine
-
-class FakeHandle:
-    def __init__(self, req):
-        self.request_id = req["id"]
-        self._req = req
-
-    def cancel(self):
-        self._req["cancel"] = True
-
-
-class FakeEngine:
-    """The Engine's interface without a model. A request's reply is REPLY's tokens,
-    one per `tick` seconds, cut at max_tokens; a prompt in `fail` gets an error update
-    after its first token. `submitted` records (prompt, max_tokens, options)."""
-
-    def __init__(self, tokenizer, *, sampler="asynclane", options=None, gen_lengths=(64, 128),
-                 max_prompt=64, slots=2, queue_size=4, tick=0.002, reply=REPLY):
-        self.tokenizer, self.sampler, self.options = tokenizer, sampler, dict(options or {})
-        self.model_name, self.gen_lengths, self.max_prompt = MODEL, tuple(gen_lengths), max_prompt
-        self.slots, self.queue_size, self.tick = slots, queue_size, tick
-        self.reply = tokenizer.encode(reply, add_special_tokens=False)
-        self.fail: set[tuple] = set()
-        self.submitted: list[tuple] = []
-        self.finished: dict[str, str] = {}  # request id -> finish reason
-        self._reqs: list[dict] = []
-        self._lock = threading.Lock()
-        self._n = 0
-        self._accepting = False
-        self._running = False
-        self.started = self.stopped = False
-
-    def start(self):
-        self.started = self._accepting = self._running = True
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def submit(self, prompt_ids, *, max_tokens, options=None, on_update):
-        from asynclane_jax.decoding.registry import get_schedule_class, option_fields
-
-        if not self._accepting:
-            raise EngineStopped("the server is shutting down")
-        if len(prompt_ids) > self.max_prompt:
-            raise EngineError("prompt too long")
-        if not 1 <= max_tokens <= max(self.gen_lengths):
-            raise EngineError(f"max_tokens={max_tokens} out of range")
-        fields = option_fields(get_schedule_class(self.sampler))
-        bad = [k for k in (options or {}) if k not in fields]
-        if bad:
-            raise EngineError(f"unknown option(s) {bad} of sampler {self.sampler!r}")
-        with self._lock:
-            if sum(r["slot"] is None for r in self._reqs) >= self.queue_size:
-                raise QueueFull(f"{self.queue_size} requests are already waiting")
-            self._n += 1
-            req = {"id": f"fake-{self._n}", "prompt": list(prompt_ids), "max": max_tokens,
-                   "cb": on_update, "sent": 0, "cancel": False, "slot": None}
-            self._reqs.append(req)
-            self.submitted.append((list(prompt_ids), max_tokens, dict(options or {})))
-        return FakeHandle(req)
-
-    def shutdown(self, drain=True, timeout=None):
-        self._accepting = False
-        deadline = time.monotonic() + (timeout or 30)
-        while drain and self._reqs and time.monotonic() < deadline:
-            time.sleep(0.005)
-        self._running = False
-        self._thread.join()
-        self.stopped = True
-
-    def stats(self):
-        with self._lock:
-            return {"slots": self.slots,
-                    "slots_busy": sum(r["slot"] is not None for r in self._reqs),
-                    "waiting": sum(r["slot"] is None for r in self._reqs),
-                    "requests_done": len(self.finished)}
-
-    def _end(self, req, reason, error=None, new=()):
-        self._reqs.remove(req)
-        self.finished[req["id"]] = reason
-        req["cb"](Update(list(new), self._text(req, new), True, reason, len(req["prompt"]),
-                         req["sent"], error))
-
-    def _text(self, req, new):
-        done = self.reply[:req["sent"]]
-        before = self.tokenizer.decode(done[:len(done) - len(new)], skip_special_tokens=True)
-        return self.tokenizer.decode(done, skip_special_tokens=True)[len(before):]
-
-    def _loop(self):
-        while self._running:
-            time.sleep(self.tick)
-            with self._lock:
-                for req in list(self._reqs):
-                    if req["slot"] is None:
-                        busy = {r["slot"] for r in self._reqs} - {None}
-                        free = [i for i in range(self.slots) if i not in busy]
-                        if not free:
-                            continue
-                        req["slot"] = free[0]
-                    if req["cancel"]:
-                        self._end(req, "cancelled")
-                        continue
-                    new = self.reply[req["sent"]:req["sent"] + 1]
-                    req["sent"] += len(new)
-                    if tuple(req["prompt"]) in self.fail:
-                        self._end(req, "error", error="the engine failed (on purpose)", new=new)
-                    elif req["sent"] >= req["max"]:
-                        self._end(req, "length", new=new)
-                    elif req["sent"] >= len(self.reply):
-                        self._end(req, "stop", new=new)
-                    else:
-                        req["cb"](Update(new, self._text(req, new), False, None,
-                                         len(req["prompt"]), req["sent"]))
 
 
 def expected_text(tok, n=None):
@@ -179,7 +68,7 @@ def fake(tok):
 def client(fake):
     from starlette.testclient import TestClient
 
-    with TestClient(create_app(fake)) as c:
+    with TestClient(create_app(fake), base_url=LOCAL) as c:
         yield c
     assert fake.stopped  # the lifespan shut the engine down
 
@@ -190,17 +79,6 @@ def body(**kw):
 
 def chat_body(**kw):
     return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **kw}
-
-
-def sse_events(text: str) -> list:
-    """The data of each server-sent event (JSON decoded, except [DONE])."""
-    out = []
-    for block in text.replace("\r\n", "\n").split("\n\n"):
-        for line in block.split("\n"):
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def test_models_and_health(client, fake):
@@ -314,7 +192,7 @@ def test_temperature_top_p_seed_and_sampler_options(tok):
     # A sampler with a temperature option: temperature maps onto it; a seed is refused
     # when sampling.
     eng = FakeEngine(tok, sampler="vanilla")
-    with TestClient(create_app(eng)) as c:
+    with TestClient(create_app(eng), base_url=LOCAL) as c:
         assert c.post("/v1/completions", json=body(temperature=0.5)).status_code == 200
         assert eng.submitted[-1][2] == {"temperature": 0.5}
         assert c.post("/v1/completions", json=body(temperature=0, seed=3)).status_code == 200
@@ -333,13 +211,13 @@ def test_temperature_top_p_seed_and_sampler_options(tok):
         assert ok.status_code == 200 and eng.submitted[-1][2] == {"steps": 32}
     # The server's own temperature counts for the seed rule.
     eng = FakeEngine(tok, sampler="vanilla", options={"temperature": 0.8})
-    with TestClient(create_app(eng)) as c:
+    with TestClient(create_app(eng), base_url=LOCAL) as c:
         r = c.post("/v1/completions", json=body(seed=1))
         assert r.status_code == 400 and "temperature 0.8" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json=body(seed=1, temperature=0)).status_code == 200
     # dream has top_p too.
     eng = FakeEngine(tok, sampler="dream")
-    with TestClient(create_app(eng)) as c:
+    with TestClient(create_app(eng), base_url=LOCAL) as c:
         assert c.post("/v1/completions", json=body(top_p=0.9)).status_code == 200
         assert eng.submitted[-1][2] == {"top_p": 0.9}
 
@@ -443,7 +321,7 @@ def test_queue_full_is_429(tok):
     from starlette.testclient import TestClient
 
     eng = FakeEngine(tok, slots=1, queue_size=1, tick=0.05)
-    with TestClient(create_app(eng)) as c:
+    with TestClient(create_app(eng), base_url=LOCAL) as c:
         handles = []
         while True:  # fill the one slot and the one queue place behind the app's back
             try:
@@ -488,7 +366,7 @@ def test_after_shutdown_requests_get_503(tok):
     from starlette.testclient import TestClient
 
     eng = FakeEngine(tok)
-    with TestClient(create_app(eng)) as c:
+    with TestClient(create_app(eng), base_url=LOCAL) as c:
         eng._accepting = False  # what Engine.shutdown does first
         r = c.post("/v1/completions", json=body())
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
@@ -496,41 +374,6 @@ def test_after_shutdown_requests_get_503(tok):
 
 
 # ----------------------------------------------------------- a server on 127.0.0.1
-
-class ServerThread:
-    """uvicorn serving `app` on a free port of 127.0.0.1, in a thread."""
-
-    def __init__(self, app, timeout=300):
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=30))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "no server"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(60)
-        assert not self.thread.is_alive()
-
-
-def wait_for(cond, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
 
 def test_fake_disconnect_mid_stream_cancels(tok):
     eng = FakeEngine(tok, tick=0.05)  # slow: the reply takes about a second
