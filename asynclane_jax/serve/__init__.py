@@ -4,6 +4,8 @@
             `Engine`: submit, cancel, stats), on a thread of its own.
   protocol  OpenAI request bodies read and checked (every field either honoured or a
             400 naming it), and the response / stream chunk bodies.
+  guard     the checks before the app: Host and Origin, the API key, JSON only, the
+            body read with its bound.
   app       the ASGI app (FastAPI): /v1/completions, /v1/chat/completions (streaming as
             server-sent events), /v1/models, /health.
   cli       the `serve` subcommand (entry point `asynclane_jax.commands`), on uvicorn.

@@ -12,11 +12,16 @@ loop. A streamed request sends each delta as it comes; a plain one collects them
 watch for the client going away and cancel the engine request then, which frees its slot
 at the next chunk boundary.
 
+Before a request reaches an endpoint, `guard` checks its Host and Origin (403), its API
+key (401), its content type (415) and reads its body with a bound (413, 408).
+
 Errors are OpenAI's error body, {"error": {"message", "type", "param", "code"}}: 400 for
-a refused request (bad JSON, a body that is not UTF-8, an unknown field, a field that
-cannot be honoured, a prompt too long), 404 for another model, 429 when the engine's
-queue is full, 500 for a request the engine failed (that request only), 503 while the
-engine is shutting down.
+a refused request (bad JSON, a body that is not UTF-8, nested too deep, holding a lone
+surrogate, an unknown field, a field that cannot be honoured, a prompt too long), 404 for
+another model, 429 when the engine's queue is full, 500 for a request the engine failed
+(that request only), 503 while the engine is shutting down (and for a request the drain
+cancelled; in a stream, an error event then [DONE]). No answer and no /health names a
+path of the server's machine.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations

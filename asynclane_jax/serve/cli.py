@@ -47,9 +47,11 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None,
                    help=f"converted folder or shipped model name (default {DEFAULT_MODEL})")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the name requests must give as `model` (default: --model as given)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
-                                                       "127.0.0.1)")
+                   help="the name requests must give as `model` (default: --model, or a "
+                        "folder's last part, so that no path of the machine reaches clients)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only); any "
+                        "other (e.g. 0.0.0.0) needs an API key")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument("--slots", type=int, default=8,
                    help="rows of the decode loop, i.e. requests decoded at once (default 8)")

@@ -20,14 +20,20 @@ refused with a 400 that names it; none is silently ignored:
   seed               accepted when decoding is greedy (temperature 0): under continuous
                      batching the rows share one random stream, so a per-request seed
                      cannot be honoured when sampling
-  sampler_options    (an extra field) the sampler's own options, e.g. {"threshold": 0.8},
-                     checked by the engine
+  sampler_options    (an extra field) the sampler's own options, e.g. {"threshold": 0.8}:
+                     names of the sampler's options, values numbers, strings, booleans or
+                     short lists of them, checked by the engine; never `sampler` or
+                     `gen_length` (the server's), nor options that name files (`routers`:
+                     the operator's, set at start)
   user               accepted (it changes nothing)
   n, best_of         only 1;  logprobs / top_logprobs, echo, suffix, logit_bias,
   penalties          presence / frequency penalties, tools / functions, response_format:
                      only their "off" values (null, false, 0, {}, [], "none", text)
 
-Any other top-level field is a 400 naming it.
+Any other top-level field is a 400 naming it. So is a body nested deeper than
+MAX_DEPTH, a string holding a lone surrogate, a number too large for a float, and a
+prompt longer than the server's bound in characters (checked before tokenizing).
+Messages quote a client's values cut short (`_show`).
 """
 
 from __future__ import annotations
