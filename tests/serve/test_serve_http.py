@@ -628,6 +628,17 @@ def test_sigterm_drains_the_stream_and_exits_0(serve_process):
             return False
 
     assert wait_for(up, timeout=240), log_path.read_text()
+    # The command line's guard is on: a foreign Host or Origin is a 403, text/plain a 415,
+    # and /health names no path.
+    r = httpx.get(url + "/v1/models", headers={"Host": "evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
+    r = httpx.post(url + "/v1/completions", content=json.dumps(body()),
+                   headers={"Origin": "http://evil.example", "Content-Type": "text/plain"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    r = httpx.post(url + "/v1/completions", content=json.dumps(body()),
+                   headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    assert os.path.expanduser("~") not in httpx.get(url + "/health").text
     with httpx.Client(base_url=url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions",
                       json=chat_body(stream=True, max_tokens=64)) as r:
