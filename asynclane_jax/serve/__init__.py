@@ -6,11 +6,14 @@
             400 naming it), and the response / stream chunk bodies.
   guard     the checks before the app: Host and Origin, the API key, JSON only, the
             body read with its bound.
+  metrics   /metrics' Prometheus metrics: the requests (by endpoint and status, latency,
+            time to first token, tokens) and the engine (queue, slots, pools, compiles).
   app       the ASGI app (FastAPI): /v1/completions, /v1/chat/completions (streaming as
-            server-sent events), /v1/models, /health.
+            server-sent events), /v1/models, /health, /metrics.
   cli       the `serve` subcommand (entry point `asynclane_jax.commands`), on uvicorn.
 
-FastAPI, uvicorn and sse-starlette are optional: `pip install 'asynclane-jax[serve]'`.
+FastAPI, uvicorn, sse-starlette and prometheus-client are optional:
+`pip install 'asynclane-jax[serve]'`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import importlib
 INSTALL_HINT = "pip install 'asynclane-jax[serve]'"
 # Distribution name of each optional module the server imports.
 _DISTRIBUTIONS = {"fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
-                  "starlette": "fastapi", "httpx": "httpx", "openai": "openai"}
+                  "starlette": "fastapi", "httpx": "httpx", "openai": "openai",
+                  "prometheus_client": "prometheus-client"}
 
 
 def require(module: str):

@@ -4,6 +4,7 @@
   POST /v1/chat/completions    chat completion through the tokenizer's chat template
   GET  /v1/models              the one served model (and /v1/models/{name})
   GET  /health                 200 with the engine's stats
+  GET  /metrics                Prometheus metrics (`metrics`; behind the API key when set)
 
 Requests are checked by `protocol.parse_request` (every field honoured or a 400 naming
 it), then submitted to the engine, whose updates (tokens newly final, as a text delta)
@@ -12,6 +13,7 @@ loop. A streamed request sends each delta as it comes; a plain one collects them
 watch for the client going away and cancel the engine request then, which frees its slot
 at the next chunk boundary.
 
+Every request is counted (`metrics.RequestMetrics`, outermost) by endpoint and status.
 Before a request reaches an endpoint, `guard` checks its Host and Origin (403), its API
 key (401), its content type (415) and reads its body with a bound (413, 408).
 
@@ -31,11 +33,13 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 from asynclane_jax.serve import protocol, require
 from asynclane_jax.serve.engine import EngineError, EngineStopped, QueueFull
 from asynclane_jax.serve.guard import Guard, HostGate, Security
+from asynclane_jax.serve.metrics import START_KEY, Metrics, RequestMetrics, endpoint
 from asynclane_jax.serve.protocol import RequestError
 
 log = logging.getLogger("asynclane_jax.serve")
@@ -90,11 +94,16 @@ class _Submitted:
     """One request in the engine: its updates on this event loop, cut at stop strings.
 
     `close()` is synchronous (it may run while the task is being cancelled) and cancels
-    the engine request unless it has finished.
+    the engine request unless it has finished. The tokens it receives and its time to
+    the first one go to `metrics` (from the request's arrival, as RequestMetrics saw it).
     """
 
-    def __init__(self, engine, parsed: protocol.ParsedRequest, http_request):
+    def __init__(self, engine, parsed: protocol.ParsedRequest, http_request,
+                 metrics: Metrics | None = None):
         self.loop = asyncio.get_running_loop()
+        self.metrics = metrics
+        self.endpoint = endpoint(http_request.url.path)
+        self.start = http_request.scope.get(START_KEY, time.perf_counter())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.http_request = http_request
         self.cutter = protocol.StopCutter(parsed.stop)
@@ -117,6 +126,8 @@ class _Submitted:
             param = "sampler_options" if parsed.options else None
             raise RequestError(protocol.scrub(str(e)), param=param) from None
         self.request_id = self.handle.request_id
+        if metrics is not None:
+            metrics.prompt_tokens.inc(self.prompt_tokens)
 
     def _on_update(self, update) -> None:
         # On the engine's thread: hand the update to the request's event loop.
@@ -147,6 +158,7 @@ class _Submitted:
                         return
                 if update is None:
                     continue
+                self._count(update.completion_tokens)
                 self.prompt_tokens = update.prompt_tokens
                 self.completion_tokens = update.completion_tokens
                 text, stopped = self.cutter.feed(update.text or "")
@@ -174,6 +186,14 @@ class _Submitted:
                     yield ("text", text)
         finally:
             self.close()
+
+    def _count(self, completion_tokens: int) -> None:
+        new = completion_tokens - self.completion_tokens
+        if self.metrics is None or new <= 0:
+            return
+        if self.completion_tokens == 0:
+            self.metrics.ttft.labels(self.endpoint).observe(time.perf_counter() - self.start)
+        self.metrics.generated_tokens.inc(new)
 
     def usage(self) -> dict:
         return protocol.usage(self.prompt_tokens, self.completion_tokens)
@@ -210,6 +230,7 @@ def create_app(engine, *, default_max_tokens: int | None = None,
     """
     fastapi = require("fastapi")
     require("sse_starlette")
+    require("prometheus_client")
     from fastapi.responses import JSONResponse
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -253,6 +274,7 @@ def create_app(engine, *, default_max_tokens: int | None = None,
     app.state.spec = spec
     app.state.security = security
     app.state.begin_drain = begin_drain
+    metrics = app.state.metrics = Metrics(engine)
     # Outermost first: Host and Origin, then CORS for the allowed origins, then the key,
     # the content type and the bounded body (add_middleware puts each outside the last).
     app.add_middleware(Guard, security=security)
@@ -263,6 +285,7 @@ def create_app(engine, *, default_max_tokens: int | None = None,
                            allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"])
     app.add_middleware(HostGate, security=security)
+    app.add_middleware(RequestMetrics, metrics=metrics)  # outermost: refusals counted too
 
     def error_response(err: RequestError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -309,6 +332,13 @@ def create_app(engine, *, default_max_tokens: int | None = None,
             "status": "ok", "model": engine.model_name, "sampler": engine.sampler,
             "gen_lengths": list(engine.gen_lengths), **engine.stats()})
 
+    @app.get("/metrics")
+    async def prometheus_metrics():  # behind the API key, like every path but /health
+        from fastapi.responses import Response
+
+        body, content_type = metrics.exposition()
+        return Response(body, headers={"Content-Type": content_type})
+
     def model_card() -> dict:
         return {"id": engine.model_name, "object": "model", "created": created,
                 "owned_by": "asynclane-jax"}
@@ -328,7 +358,7 @@ def create_app(engine, *, default_max_tokens: int | None = None,
     async def complete(request, chat: bool):
         body = await read_json(request)
         parsed = protocol.parse_request(body, spec, engine.tokenizer, chat=chat)
-        sub = _Submitted(engine, parsed, request)
+        sub = _Submitted(engine, parsed, request, metrics)
         rid = ("chatcmpl-" if chat else "cmpl-") + str(sub.request_id)
         made = protocol.now()
         name = engine.model_name

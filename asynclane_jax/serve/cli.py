@@ -161,6 +161,7 @@ def run(args) -> int:
     require("fastapi")
     require("uvicorn")
     require("sse_starlette")
+    require("prometheus_client")
     if args.gen_length is not None:
         raise UsageError("serve: --gen-length is per request here; use --max-tokens (the "
                          "largest bucket) or --gen-lengths")

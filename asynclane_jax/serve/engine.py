@@ -15,6 +15,9 @@ padding.
 
 Requests with per-request sampler options run in a pool of their own, compiled on
 first use (the engine's thread compiles it while other pools wait).
+
+`stats()` (for /health) and `gauges()` (for /metrics, read without the engine's lock)
+report the rows in use, the queue, the pools with their K/V bytes, and the compiles.
 """
 
 from __future__ import annotations
@@ -109,6 +112,9 @@ class _Pool:
         init = jax.jit(lambda c, r, o: driver.serve_init(graphdef, params, c, r, o,
                                                          schedule=schedule))
         self.state = init(canvas, rng, self.operands)
+        # The K/V cache's bytes, from its shapes (0 when the schedule keeps none).
+        self.kv_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(self.state.cache))
         chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o: driver.serve_chunk(
             graphdef, p, st, pad, adm, cin, ret, k, o, schedule=schedule),
             donate_argnums=(1,))
@@ -120,6 +126,11 @@ class _Pool:
     @property
     def busy(self) -> int:
         return sum(r is not None for r in self.rows)
+
+    @property
+    def decoding(self) -> int:
+        """Rows decoding a request (not those retired at the next chunk)."""
+        return sum(r is not None and r is not _RETIRED for r in self.rows)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or self.busy > 0
@@ -228,6 +239,8 @@ class Engine:
         self.requests_done = 0
         self.tokens_sent = 0
         self.chunks = 0
+        self.compiles = 0  # pools compiled, and the seconds that took
+        self.compile_seconds = 0.0
         self._schedule(None, self.gen_lengths[0])  # a bad sampler or option fails here
 
     # -- public -------------------------------------------------------------------------
@@ -309,13 +322,26 @@ class Engine:
     def stats(self) -> dict:
         with self._lock:
             return {"slots": self.slots, "pools": len(self.pools),
-                    "slots_busy": sum(sum(r is not None and r is not _RETIRED
-                                          for r in p.rows) for p in self.pools.values()),
+                    "slots_busy": sum(p.decoding for p in self.pools.values()),
                     "waiting": self._waiting(), "requests_done": self.requests_done,
                     "tokens_sent": self.tokens_sent, "chunks": self.chunks,
                     "compile_s": [{"gen_length": k[1], "prompt_length": k[2],
                                    "options": k[0].settings(), "seconds": round(p.compile_time, 2)}
                                   for k, p in self.pools.items()]}
+
+    def gauges(self) -> dict:
+        """The engine's state for /metrics, read without its lock (a scrape never waits
+        for the loop; each number is a moment's, not all of them the same moment's):
+        slots (rows per pool), slots_busy, waiting, pools, pool_bytes (their K/V caches,
+        from the shapes), compiles and compile_seconds (so far), requests_done,
+        tokens_sent, chunks."""
+        pools = list(self.pools.values())  # one step under the GIL: a consistent copy
+        return {"slots": self.slots, "slots_busy": sum(p.decoding for p in pools),
+                "waiting": len(self._inbox) + sum(len(p.waiting) for p in pools),
+                "pools": len(pools), "pool_bytes": sum(p.kv_bytes for p in pools),
+                "compiles": self.compiles, "compile_seconds": self.compile_seconds,
+                "requests_done": self.requests_done, "tokens_sent": self.tokens_sent,
+                "chunks": self.chunks}
 
     # -- internals ----------------------------------------------------------------------
     def _schedule(self, options, gen_length: int):
@@ -333,7 +359,10 @@ class Engine:
 
     def _pool(self, key) -> _Pool:
         if key not in self.pools:
-            self.pools[key] = _Pool(self, *key)
+            pool = _Pool(self, *key)
+            self.compiles += 1
+            self.compile_seconds += pool.compile_time
+            self.pools[key] = pool
         return self.pools[key]
 
     def _waiting(self) -> int:

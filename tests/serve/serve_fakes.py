@@ -1,6 +1,7 @@
 """The serve tests' stand-ins: an engine without a model (`FakeEngine`, the Engine's
 interface) and a tokenizer of one token per character (`CharTokenizer`, for a server
-started in a subprocess without loading a model)."""
+started in a subprocess without loading a model), and /metrics read back
+(`metric_samples`, `metric`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ class FakeEngine:
     """The Engine's interface without a model. A request's reply is REPLY's tokens,
     one per `tick` seconds, cut at max_tokens; a prompt in `fail` gets an error update
     after its first token. `submitted` records (prompt, max_tokens, options)."""
+
+    POOL_BYTES = 3 << 20
+    COMPILE_S = 1.25
 
     def __init__(self, tokenizer, *, sampler="asynclane", options=None, gen_lengths=(64, 128),
                  max_prompt=64, slots=2, queue_size=4, tick=0.002, reply=REPLY):
@@ -118,6 +122,16 @@ class FakeEngine:
                     "slots_busy": sum(r["slot"] is not None for r in self._reqs),
                     "waiting": sum(r["slot"] is None for r in self._reqs),
                     "requests_done": len(self.finished)}
+
+    def gauges(self):
+        """As Engine.gauges: the requests' state, and one pool per generation bucket of
+        POOL_BYTES bytes that took COMPILE_S seconds each to compile."""
+        reqs = list(self._reqs)
+        n = len(self.gen_lengths)
+        return {"slots": self.slots, "slots_busy": sum(r["slot"] is not None for r in reqs),
+                "waiting": sum(r["slot"] is None for r in reqs), "pools": n,
+                "pool_bytes": n * self.POOL_BYTES, "compiles": n,
+                "compile_seconds": n * self.COMPILE_S}
 
     def _end(self, req, reason, error=None, new=()):
         self._reqs.remove(req)
@@ -201,3 +215,17 @@ def wait_for(cond, timeout=10.0):
             return False
         time.sleep(0.02)
     return True
+
+
+def metric_samples(text: str) -> dict:
+    """/metrics' exposition parsed (prometheus_client's parser): {(sample name, labels as
+    sorted pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """A sample's value (0 when the exposition has none, as for a series never counted)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -9,8 +9,8 @@ Two halves:
     in a thread, through the official openai client: answers equal `generate` at the
     request's bucket cut at max_tokens, streamed equals non-streamed, concurrent
     requests equal their solo answers, a disconnect frees the slot, 429 at the queue
-    bound; and `asynclane-jax serve` as a subprocess drains a stream on SIGTERM and
-    exits 0.
+    bound, /metrics' tokens and the pools' count, bytes and compiles; and
+    `asynclane-jax serve` as a subprocess drains a stream on SIGTERM and exits 0.
 """
 
 from __future__ import annotations
@@ -31,7 +31,17 @@ pytest.importorskip("sse_starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from serve_fakes import MODEL, PROMPT, REPLY, FakeEngine, ServerThread, sse_events, wait_for  # noqa: E402
+from serve_fakes import (  # noqa: E402
+    MODEL,
+    PROMPT,
+    REPLY,
+    FakeEngine,
+    ServerThread,
+    metric,
+    metric_samples,
+    sse_events,
+    wait_for,
+)
 
 import asynclane_jax  # noqa: E402
 from asynclane_jax.serve import protocol  # noqa: E402
@@ -617,6 +627,47 @@ def test_real_queue_bound_gives_429(real, oai, tok):
 
 
 @pytest.mark.slow
+def test_real_metrics_match_the_engine(real, oai, loaded):
+    """/metrics on the real engine: a request's tokens and its histograms' observations,
+    and the pools' count, K/V bytes (from the model's shapes) and compiles as the engine
+    holds them."""
+    import numpy as np
+
+    pytest.importorskip("prometheus_client")
+    engine, srv, _ = real
+    cfg = loaded[2]
+
+    def scrape():
+        return metric_samples(httpx.get(srv.url + "/metrics", timeout=30).text)
+
+    before = scrape()
+    got = oai.chat.completions.create(model=MODEL, max_tokens=20,
+                                      messages=[{"role": "user", "content": REF_PROMPT}])
+    after = scrape()
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    chat = "/v1/chat/completions"
+    assert got.usage.completion_tokens == 20
+    assert delta("asynclane_requests_total", endpoint=chat, status="200") == 1
+    assert delta("asynclane_generated_tokens_total") == 20
+    assert delta("asynclane_prompt_tokens_total") == got.usage.prompt_tokens
+    assert delta("asynclane_request_latency_seconds_count", endpoint=chat) == 1
+    assert delta("asynclane_time_to_first_token_seconds_count", endpoint=chat) == 1
+    pools = list(engine.pools.values())  # buckets 64 and 128 at prompt length 64
+    itemsize = np.dtype(cfg.jnp_dtype).itemsize
+    kv = sum(2 * cfg.n_layers * engine.slots * p.T * cfg.n_kv_heads * cfg.head_dim * itemsize
+             for p in pools)
+    assert metric(after, "asynclane_pools") == len(pools) == 2
+    assert metric(after, "asynclane_pool_bytes") == kv > 0
+    assert metric(after, "asynclane_compiles_total") == engine.compiles == 2
+    assert metric(after, "asynclane_compile_seconds_total") == pytest.approx(
+        sum(p.compile_time for p in pools))
+    assert metric(after, "asynclane_pool_slots") == 4
+
+
+@pytest.mark.slow
 def test_sigterm_drains_the_stream_and_exits_0(serve_process):
     proc, url, log_path = serve_process
 
@@ -673,7 +724,8 @@ def test_serve_without_the_extra_is_one_line(monkeypatch, capsys):
 def test_the_command_line_does_not_import_the_server_packages():
     code = ("import sys, asynclane_jax.cli\n"
             "asynclane_jax.cli.build_parser()\n"
-            "bad = [m for m in ('fastapi', 'uvicorn', 'sse_starlette', 'starlette', 'openai')\n"
+            "bad = [m for m in ('fastapi', 'uvicorn', 'sse_starlette', 'starlette', 'openai',\n"
+            "                   'prometheus_client')\n"
             "       if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True,
