@@ -46,7 +46,8 @@ def main():
     ap.add_argument("--gen-lengths", default="128,256,512")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--keys", type=int, default=128,
-                    help="generated positions a key_len call reads (block + horizon)")
+                    help="generated positions a key_len call reads (block + horizon of "
+                    "the visible horizon AsyncLane once had)")
     ap.add_argument("--repeat", type=int, default=30)
     args = ap.parse_args()
     model, _, cfg = asynclane_jax.load(args.model)

@@ -4,19 +4,19 @@ The runner (bench.runner) measures; this step classifies its rows and fills the
 comparison fields. Every row belongs to one comparison (its `comparison` field, a
 column of the table), and the rows of the sampler under study get a speed-up over the
 fastest baseline of each:
-  (a) `published`: the baselines as published (no early stop, no horizon, no cascade);
-  (b) `early-stop`: the baselines with early_stop=true (no horizon, no cascade);
+  (a) `published`: the baselines as published (no early stop, no cascade);
+  (b) `early-stop`: the baselines with early_stop=true (no cascade);
   (c) `equal-footing`: the baselines given the mid-block cascade of the sampler under
     study (cascade=true; the default specs add early_stop=true and run each baseline
-    at its published threshold and at AsyncLane's, reporting the faster), the visible
-    horizon that the row of the sampler under study uses and its renewal calls
-    (`renew`). A row of the sampler under study meets the fastest (c) row of its own
-    footing (`footing`: horizon and renew, the sampler's defaults when not given), so
-    `asynclane:horizon=96` meets `fast-dllm:horizon=96:cascade=true`, the default
-    asynclane meets the (c) rows without renewals and `asynclane:renew=256` those with
-    renew=256.
+    at its published threshold and at AsyncLane's, reporting the faster) and the
+    renewal calls (`renew`) that the row of the sampler under study uses. A row of the
+    sampler under study meets the fastest (c) row of its own footing (`footing`: renew,
+    the sampler's default when not given), so the default asynclane meets the (c) rows
+    without renewals and `asynclane:renew=256` those with renew=256.
 Rows of the sampler under study are in the comparison named after it (`asynclane`); a
-baseline with a horizon or renewals but no cascade is `other` and in no comparison.
+baseline with renewals but no cascade is `other` and in no comparison. (Results files
+written before the visible horizon was removed hold rows with a `horizon` option; their
+stored comparison fields are what the report renders.)
 
 What a sampler is to these rules, its schedule class declares (decoding/schedule.py):
 `under_study` (True for AsyncLane), and `footing_options`, the options it takes among
@@ -29,7 +29,7 @@ Fields filled (bench.runner.COMPARISON_FIELDS):
     the (a) published rows (None when there is none);
   speedup_vs_fastest_early_stop: the same over the (b) early-stop rows;
   speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows with the
-    row's footing (horizon and renewals);
+    row's footing (its renewals);
   speedup_family_vs_equal_footing: per family, tps_family over the highest tps_family
     of the (c) rows of the row's footing (None without such rows).
 """
@@ -40,10 +40,9 @@ from asynclane_jax.bench.runner import SPEEDUP_FIELDS
 from asynclane_jax.bench.spec import sampler_of, schedule_class
 
 # The footing options by role: early_stop (stop once a finished block holds an
-# end-of-text), cascade (an end-of-text committed ends the row at once), horizon
-# (positions visible past the current block; 0: all) and renew (positions re-encoded by
-# a renewal call; 0: none).
-FOOTING_ROLES = ("early_stop", "cascade", "horizon", "renew")
+# end-of-text), cascade (an end-of-text committed ends the row at once) and renew
+# (positions re-encoded by a renewal call; 0: none).
+FOOTING_ROLES = ("early_stop", "cascade", "renew")
 # The comparisons: the row field's value -> the speed-up field against its fastest row.
 COMPARISONS = dict(zip(("published", "early-stop", "equal-footing"), SPEEDUP_FIELDS))
 OTHER = "other"
@@ -85,32 +84,25 @@ def comparison_of(sampler: str, options: dict) -> str:
 
     if on("cascade") is True:
         return "equal-footing"
-    if on("horizon") or on("renew"):
+    if on("renew"):
         return OTHER
     return "early-stop" if on("early_stop") is True else "published"
 
 
-def footing(row: dict) -> tuple[int, int]:
-    """(horizon, renew) of a row: its options, else its sampler's defaults (0 where
-    the sampler declares no such role; renew 0 under a horizon). A (c) row meets a row
-    of the sampler under study of the same footing only."""
+def footing(row: dict) -> int:
+    """The renew of a row: its option, else its sampler's default (0 where the sampler
+    declares no such role). A (c) row meets a row of the sampler under study of the
+    same footing only."""
     import dataclasses
 
     roles, cls = _declared(sampler_of(row["sampler"]))
+    if "renew" not in roles:
+        return 0
+    if "renew" in row["options"]:
+        return int(row["options"]["renew"] or 0)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls else {}
-
-    def value(role: str) -> int:
-        if role not in roles:
-            return 0
-        if role in row["options"]:
-            return int(row["options"][role] or 0)
-        d = defaults.get(role)
-        return int(d or 0) if isinstance(d, int) else 0
-
-    horizon = value("horizon")
-    # Renewals do not go with a horizon (asynclane keeps its full forwards, the block
-    # samplers refuse the pair).
-    return horizon, 0 if horizon else value("renew")
+    d = defaults.get("renew")
+    return int(d or 0) if isinstance(d, int) else 0
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:

@@ -27,22 +27,19 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "it.", "",
               "Three comparisons, each row in one (`comparison`); vs (a) / (b) / (c): "
               "tokens/s over the fastest row of that comparison at the same length.",
-              "- (a) published: the baselines as published (no early stop, no horizon, no "
-              "cascade). They decode every position of the canvas.",
+              "- (a) published: the baselines as published (no early stop, no cascade). "
+              "They decode every position of the canvas.",
               "- (b) early stop: the same with early_stop=true; they still attend to the "
               "whole canvas.",
               "- (c) equal footing: block baselines given AsyncLane's mid-block cascade "
               "(cascade=true; the default specs add early_stop=true and run each baseline "
               "at its published threshold, 0.9, and at AsyncLane's, 0.95, keeping the "
-              "faster: `chosen options` names it), the visible "
-              "horizon AsyncLane's row uses (none by default) and its renewal calls "
-              "(none by default; with renew=256 the refreshes are renewals: the block "
-              "before the window and the 256 positions after it are re-encoded in a "
-              "wide cached call instead of a full forward, where that call is narrower "
-              "than the canvas). An asynclane row is "
-              "compared with the (c) rows of its own footing (horizon, renew); a row "
-              "with a horizon attends only to the first block_length + horizon generated "
-              "positions until the window nears their end.",
+              "faster: `chosen options` names it) and the renewal calls AsyncLane's row "
+              "uses (none by default; with renew=256 the refreshes are renewals: the "
+              "block before the window and the 256 positions after it are re-encoded in "
+              "a wide cached call instead of a full forward, where that call is narrower "
+              "than the canvas). An asynclane row is compared with the (c) rows of its "
+              "own footing (renew).",
               "- asynclane rows are compared with each; `other` rows with none.", ""]
     if meta.get("project_model"):
         lines += [PROJECTION_NOTE.format(model=meta["project_model"]), ""]

@@ -11,89 +11,67 @@ row is served by the same model call.
 Everything is a fixed-shape array in the driver's loop carry, and fork, terminate and
 refresh are masked array updates; one program per (settings, shapes).
 
-The visible horizon (an option, off by default; block.py gives the baselines the same
-one). With horizon > 0 a row's first call is not a full forward over the whole canvas
-but a cached call over the prompt and the first block_length + horizon generated
-positions, which attend only to each other; the rest of the canvas stays out of
-attention (its K/V are never computed) until the window comes within horizon/2 of the
-visible end, when one full forward makes the whole canvas visible. An answer that ends
-inside the horizon costs no computation over the tail at all, whatever gen_length is:
-while a row's view is within the first block_length + horizon positions, its cached
-calls read and attend only that part of the cache (`Schedule.key_bound`).
-
 One iteration (per row):
   1. Query set (shared-prefix lane batching). One cached call queries, against the K/V
-     of the visible canvas: the generate window (B; right after a fork, with
-     `requery_at_fork`, the window forked from), a lookahead window after it (W),
-     and `extra_queries` (E) positions picked by priority: first the refine lanes'
-     masked positions, earliest first, then *dirty* positions (committed since their
-     cached K/V was computed: re-encoding them is the compact cache refresh).
-  2. Full refresh. A full forward serves a row when its window nears the horizon (it
-     then shows the whole canvas), every `refresh_every`-th call when that is set, and,
-     with `refresh_at_advance` (the default), after the window moves to a new block, as
-     Fast-dLLM's dual cache does, with `refresh_travel` (32 by default) once the window
-     has moved that far since the last one, by forks or advances, and with
-     `refresh_at_fork` (off by default: `fork_when_fresh` re-encodes the prefix in the
-     next cached call instead), after a fork (the prefix the window leaves behind was
-     committed while its K/V came from the mask, and only the refine lanes' masks are
-     queried there afterwards); under the horizon these re-encode only the visible
-     part. With horizon 0 (the default) the row's first
-     call is one too. Its logits decode that step. Rows that need no refresh wait for
+     of the whole canvas: the generate window (B), a lookahead window after it (W), and
+     `extra_queries` (E) positions picked by priority: first the refine lanes' masked
+     positions, earliest first, then *dirty* positions (committed since their cached
+     K/V was computed: re-encoding them is the compact cache refresh).
+  2. Full refresh. A row's first call is a full forward over the canvas; so is its call
+     after the window moves to a new block, as Fast-dLLM's dual cache does, and once the
+     window has moved `refresh_travel` positions (32 by default) since the last one, by
+     forks or advances. Its logits decode that step. Rows that need no refresh wait for
      one iteration while a full forward serves the rows that do (so each row decodes
      exactly as it would alone). With `renew` > 0 (off by default), the refreshes at
-     advances, forks and by travel are renewals instead: the row's next cached call
-     also re-encodes the renew_back positions before the window and the renew
-     positions after it (a second, wider call shape in the same loop); the other rows
-     are served by the same call.
-  3. Commit. Window: every masked position with confidence >= threshold; within
-     `radius` of such an anchor, >= relaxed_threshold (LocalLeap's rule); lookahead
+     advances and by travel are renewals instead: the row's next cached call also
+     re-encodes the renew_back positions before the window and the renew positions
+     after it (a second, wider call shape in the same loop); the other rows are served
+     by the same call.
+  3. Commit. Window: every masked position with confidence >= threshold; lookahead
      draft reuse: a position whose prediction equals the draft made for it while it
      was in the lookahead window commits at draft_threshold; and the most confident
      position, unless a refine lane is open (then the continuation commits only what
      it is sure of). Refine lanes: the same rules; a lane older than refine_budget
      iterations also commits its most confident position each iteration. While a
-     refine lane is open, `progress` forces one commit per iteration (refine-first:
-     the refine lanes' best, else the window's), so forking never idles. Lookahead
+     refine lane is open, one commit is forced every iteration: the refine lanes'
+     most confident position, else the window's, so forking never idles. Lookahead
      positions never commit; their predictions become drafts.
   4. Cascading termination. An end-of-text committed at p makes every later position
      end-of-text; lanes starting after p are terminated, a lane straddling p is cut
      there, and no call is spent on the tail.
-  5. Fork (above) or advance: a window with no masks left moves on by B positions.
-     A refine lane with no masks left is done. A row is finished when no generated
-     position is masked.
+  5. Fork (above) or advance: a window with no masks left moves on by B positions. A
+     prefix forks only when its masks and its committed positions with stale cached K/V
+     fit in the next call's extra query slots, so that call re-encodes every stale one
+     (no full forward at a fork). A refine lane with no masks left is done. A row is
+     finished when no generated position is masked.
 
-Defaults (why each, with the measurements: experiments/results/asynclane/README.md; the
+Defaults (why each, with the measurements: docs/asynclane.md, "Defaults, and why"; the
 current benches: experiments/results/bench/bench_tiny-llada-v4b.md and
 experiments/results/bench/bench_tiny-dream-v4.md): forking at newlines (one lane slot
-per 8 generated positions, at least 16), a prefix forking only when the next call can
-re-encode it (fork_when_fresh, so no full forward at a fork), a full forward once the
-window has travelled a block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM
-publishes 0.9: on both v4 testbed models at gen_length 512 the higher one rights math
-answers whose final answer the first full forward commits wrongly between 0.9 and 0.95,
-at the same speed; experiments/results/bench/bench_tiny-llada-v4b_threshold.md and
-experiments/results/bench/bench_tiny-dream-v4_threshold.md), no relaxation
-(relaxed_threshold = threshold), no lookahead, no horizon (the whole canvas is attended:
-on the long answers of tiny-llada-v4b a horizon of 96 loses many of them, for Fast-dLLM
-given it as much as for AsyncLane; experiments/results/asynclane/log.md, "Why the
-horizon breaks long answers"), and the cascade. Renewal calls (renew=256: the block
-before the window and the 256 positions after it re-encoded in a wide cached call
-instead of a full forward) are an option: on tiny-llada-v4b at gen_length 512 they are
-faster at the same overall accuracy, but they move accuracy between answer lengths:
-answers of 129-256 tokens gain, and answers longer than 256 tokens lose, falling well
-under vanilla's (experiments/results/bench/bench_tiny-llada-v4b.md, rows `asynclane` and
+per 8 generated positions, at least 16), a full forward once the window has travelled a
+block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM publishes 0.9: on both v4
+testbed models at gen_length 512 the higher one rights math answers whose final answer
+the first full forward commits wrongly between 0.9 and 0.95, at the same speed;
+experiments/results/bench/bench_tiny-llada-v4b_threshold.md and
+experiments/results/bench/bench_tiny-dream-v4_threshold.md), no lookahead, and the
+cascade. Renewal calls (renew=256: the block before the window and the 256 positions
+after it re-encoded in a wide cached call instead of a full forward) are an option: on
+tiny-llada-v4b at gen_length 512 they are faster at the same overall accuracy, but they
+move accuracy between answer lengths: answers of 129-256 tokens gain, and answers longer
+than 256 tokens lose, falling well under vanilla's
+(experiments/results/bench/bench_tiny-llada-v4b.md, rows `asynclane` and
 `asynclane:renew=256`; experiments/results/asynclane/log.md, "Renewals off by
 default"). The default keeps every length bucket close to vanilla's. max_lanes=1 turns
-the lanes off; horizon=96 gives the visible horizon of earlier releases.
+the lanes off.
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
 
 With Fast-dLLM's threshold (0.9, or any other both are given), one lane, no lookahead,
-no relaxation (relaxed_threshold = threshold), horizon 0,
-the cascade off, refresh_at_advance on and full forwards for refreshes (renew=0, or a
-canvas too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold
-sampler with a dual cache on LLaDA models (tests/decoding/asynclane/test_asynclane.py
-checks it token for token).
+the cascade off, extra_queries=0 and full forwards for refreshes (renew=0, or a canvas
+too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold sampler
+with a dual cache on LLaDA models (tests/decoding/asynclane/test_asynclane.py checks it
+token for token).
 """
 
 from __future__ import annotations
@@ -124,9 +102,6 @@ class LaneState:
     """AsyncLane's part of the loop carry ([b] and [b, M] lane slots, [b, G] columns)."""
 
     win: jax.Array  # [b] generate window start (generated index)
-    # [b] start of the B positions the next call queries for the window: win, except
-    # right after a fork with requery_at_fork, when it is the window forked from.
-    qwin: jax.Array
     gen_slot: jax.Array  # [b] slot of the generate lane
     kind: jax.Array  # [b, M] lane kind codes (lanes.LANE_KINDS)
     start: jax.Array  # [b, M] span start (generated index)
@@ -138,11 +113,8 @@ class LaneState:
     fresh: jax.Array  # [b, G] bool: the cached K/V of the column was computed from its token
     draft: jax.Array  # [b, G] int32 lookahead prediction, -1 none
     eos: jax.Array  # [b] first committed end-of-text (generated index), G if none
-    visible: jax.Array  # [b] generated positions [0, visible) are attended (the horizon)
-    extend: jax.Array  # [b] bool: the window nears the horizon; the next (full) call shows all
     need_full: jax.Array  # [b] bool: the row's next call must be a full forward
     need_renew: jax.Array  # [b] bool: the row's next cached call is a renewal (wide) call
-    since_full: jax.Array  # [b] calls serving the row since its last full forward
     full_win: jax.Array  # [b] window start after the row's last full forward (0 at first)
     renew_win: jax.Array  # [b] window start after the row's last full forward or renewal
     steps: jax.Array  # [b] iterations that served the row
@@ -242,19 +214,14 @@ def scatter_predictions(ctx: Context, out: CallOutput):
     return pred, pconf, has & out.serve[:, None]
 
 
-PROGRESS_RULES = ("refine-first", "best", "wait")
-
-
 def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier, *,
-                 block_length: int, threshold: float, relaxed_threshold: float, radius: int,
-                 lookahead: int, draft_threshold: float, refine_budget: int,
-                 progress: str):
+                 block_length: int, threshold: float, lookahead: int, draft_threshold: float,
+                 refine_budget: int):
     """Which masked positions commit this iteration, in the window and in refine lanes.
 
     Window [win, win + B) (before the tail): every masked position with pconf >=
-    threshold; within `radius` of such an anchor, >= relaxed_threshold (only when it is
-    below threshold); with a lookahead, a position whose prediction equals its draft, at
-    min(draft_threshold, threshold). Refine lanes: pconf >= threshold; a lane forked at
+    threshold; with a lookahead, a position whose prediction equals its draft, at
+    min(draft_threshold, threshold). Refine lanes: the same rules; a lane forked at
     least refine_budget iterations ago also commits its most confident position (ties:
     all of them). The predictions made for the lookahead [win + B, win + B + W) become
     its drafts; lookahead positions never commit.
@@ -262,16 +229,10 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
     The forced commit that guarantees progress. While no refine lane of the row holds a
     mask, the window's most confident candidate always commits (block decoding). While
     one does (the row is *refining*), the window never forces its best, so the
-    continuation commits only what it is sure of, and `progress` says what is forced
-    instead, every iteration:
-      refine-first: the most confident refine-lane candidate, or, when the call
-        predicted none, the window's most confident candidate;
-      best: the most confident candidate of the refine lanes and the window together;
-      wait: nothing (the rule before `progress`: the row may spend an iteration
-        committing nothing, and the refine lanes commit by threshold only).
-    With refine-first and best, the refine lanes also take the window's relaxed and
-    draft rules (anchors in either serve both), and every served iteration that
-    predicted a masked candidate commits at least one position.
+    continuation commits only what it is sure of; instead the refine lanes' most
+    confident candidate commits every iteration, or, when the call predicted none, the
+    window's most confident candidate. Every served iteration that predicted a masked
+    candidate commits at least one position.
 
     Args:
       ctx: the canvas facts (mask_id).
@@ -279,12 +240,10 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
       pred, pconf, has: [b, G] from `scatter_predictions`.
       lanes: LaneState (win, kind, start, end, split, steps, draft are read).
       frontier: [b] `text_frontier` of the end-of-text before this iteration.
-      block_length .. progress: the schedule's settings of those names.
+      block_length .. refine_budget: the schedule's settings of those names.
     Returns:
       (new [b, G] int32 gen with the commits, lanes with `draft` [b, G] updated).
     """
-    if progress not in PROGRESS_RULES:
-        raise SamplerError(f"progress={progress!r}: expected one of {', '.join(PROGRESS_RULES)}")
     G = gen.shape[-1]
     j = jnp.arange(G)[None, :]
     masked = gen == ctx.mask_id
@@ -301,16 +260,8 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
         return ok_ & (j == jnp.argmax(c_, axis=-1)[:, None])
 
     rcand = masked & has & in_r  # [b, G]
-    # The window's rules; with a progress rule other than wait, the refine lanes' too
-    # (anchors in either serve both), as if the window still covered them.
-    shared = progress != "wait"
-    pool = (cand | rcand) if shared else cand
     top1 = best_of(cand) & ~refining
-    sure = pconf >= threshold
-    ok = sure
-    if relaxed_threshold < threshold:  # LocalLeap's anchors (no-op when not below)
-        by_anchor = ops.near_anchor(pool & sure, radius)
-        ok = ok | (by_anchor & (pconf >= relaxed_threshold))
+    ok = pconf >= threshold
     if lookahead:  # a prediction that repeats its draft is trusted at a lower bar
         ok = ok | ((lanes.draft == pred) & (pconf >= min(draft_threshold, threshold)))
     commit = (cand & ok) | top1
@@ -320,14 +271,11 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
     over = (lanes.steps[:, None] - lanes.split) >= refine_budget  # [b, M]
     is_best = (at_owner(owner_r, over, False)
                & (pconf >= at_owner(owner_r, lane_best, jnp.inf)))  # [b, G]
-    commit = commit | (rcand & ((ok if shared else sure) | is_best))
-    if progress != "wait":  # never an iteration without a commit while refining
-        if progress == "best":
-            forced = best_of(cand | rcand)
-        else:
-            has_r = jnp.any(rcand, axis=-1, keepdims=True)
-            forced = jnp.where(has_r, best_of(rcand), best_of(cand))
-        commit = commit | (refining & forced)
+    commit = commit | (rcand & (ok | is_best))
+    # Never an iteration without a commit while refining: the refine lanes first.
+    has_r = jnp.any(rcand, axis=-1, keepdims=True)
+    forced = jnp.where(has_r, best_of(rcand), best_of(cand))
+    commit = commit | (refining & forced)
     new = jnp.where(commit, pred, gen)
 
     draft = lanes.draft
@@ -399,15 +347,15 @@ def retire_phase(ctx: Context, new, lanes: LaneState) -> LaneState:
 
 def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_length: int,
                refine_window: int, stable_fraction: float, delimiter_ids: tuple[int, ...],
-               fresh=None, query_slots: int = 0):
+               fresh, query_slots: int):
     """A committed delimiter in the window forks the generate lane.
 
     The fork point d is the last committed delimiter in the window [win, win + B) whose
     prefix [win, d] holds at most refine_window masks and is at least stable_fraction
-    committed, with a position left after it before the tail; given `fresh`, also
-    the prefix's masks and its committed positions whose cached K/V are stale must
-    together fit in `query_slots` (the next call's extra queries then re-encode every
-    stale one while serving the masks; a prefix committed in one go, as a row's first
+    committed, with a position left after it before the tail, and whose masks and
+    committed positions with stale cached K/V together fit in `query_slots` (the next
+    call's extra queries then re-encode every stale one while serving the masks, so no
+    full forward is needed at a fork; a prefix committed in one go, as a row's first
     call does, forks a call later, once the window's own queries re-encoded it). A served row whose
     generate lane is live and that has a free slot forks there: the generate lane's span
     ends at d + 1 and it becomes a refine lane (done at once when the prefix holds no
@@ -425,8 +373,9 @@ def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_le
       block_length, refine_window, stable_fraction: the schedule's settings.
       delimiter_ids: the token ids that fork (empty: no forking).
       fresh: [b, G] bool, the columns whose cached K/V were computed from their
-        current token after this call (`fresh_columns`), or None (no such rule).
-      query_slots: with `fresh`, the most masked and stale positions a prefix may hold.
+        current token after this call (`fresh_columns`).
+      query_slots: the most masked and stale positions a prefix may hold (the
+        schedule's extra_queries).
     Returns:
       (lanes with win, gen_slot, forks [b] and kind, start, end, parent, birth, death,
       split [b, M] updated; fork [b] bool: the row forked).
@@ -445,9 +394,9 @@ def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_le
     masks_upto = jnp.cumsum(in_win & new_masked, axis=-1)  # masks in [win, j]
     length = (j - lo + 1).astype(jnp.float32)
     stable = (masks_upto <= refine_window) & (1.0 - masks_upto / length >= stable_fraction)
-    if fresh is not None:  # the next call re-encodes every stale position of the prefix
-        stale_upto = jnp.cumsum(in_win & ~new_masked & ~fresh, axis=-1)
-        stable = stable & (masks_upto + stale_upto <= query_slots)
+    # The next call re-encodes every stale position of the prefix.
+    stale_upto = jnp.cumsum(in_win & ~new_masked & ~fresh, axis=-1)
+    stable = stable & (masks_upto + stale_upto <= query_slots)
     d = jnp.max(jnp.where(delim & stable, j, -1), axis=-1)  # [b], -1: no fork point
 
     kind = lanes.kind
@@ -543,61 +492,47 @@ def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, ren
 
 
 def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
-                  gen_done, *, block_length: int, refresh_every: int,
-                  refresh_at_advance: bool, horizon: int, tail_hidden: bool,
-                  fork=None, refresh_at_fork: bool = False,
-                  refresh_travel: int = 0, renew: int = 0, full_travel: int = 0,
+                  gen_done, *, refresh_travel: int, renew: int = 0, full_travel: int = 0,
                   renewed=None) -> LaneState:
     """Cache bookkeeping: which cached K/V are current, and whether the next call of a
     row must be a full forward.
 
     A generated column is fresh when this call encoded it (a full forward encodes every
     column) or it was fresh, and its token did not change (a commit makes it dirty: its
-    cached K/V were computed from the mask). A served full forward resets since_full,
-    counts a refresh and, for a row it extended, makes the whole canvas visible. The
-    next call of a served row is a full forward when since_full reaches refresh_every
-    (if set), when the window moved on without finishing the generate lane (with
-    refresh_at_advance), when the row forked (with refresh_at_fork: the prefix left
-    behind was committed while its cached K/V came from the mask, and the window's
-    queries no longer re-encode it), or when the window nears the visible end (win + B
-    + horizon // 2 > visible; only with tail_hidden): that call also extends the view;
-    and, with refresh_travel, when the window has moved refresh_travel positions or more
-    since the row's last full forward (by forks as well as advances).
+    cached K/V were computed from the mask). A served full forward counts a refresh.
+    The next call of a served row is a full forward when the window moved on without
+    finishing the generate lane (Fast-dLLM's dual cache re-encodes at each new block),
+    and, with refresh_travel, when the window has moved refresh_travel positions or
+    more since the row's last full forward (by forks as well as advances: a fork moves
+    the window without an advance).
 
-    With renew > 0 the refreshes due at an advance, a fork or by travel (counted since
-    the last full forward or renewal) are renewals instead: the row's next cached call
-    is wide (`renewal_columns`); a full forward is then due by refresh_every, the
-    horizon, or (full_travel > 0) once the window has moved full_travel positions since
-    the last one. A row due a full forward is not also due a renewal.
+    With renew > 0 these refreshes (travel counted since the last full forward or
+    renewal) are renewals instead: the row's next cached call is wide
+    (`renewal_columns`); a full forward is then due only (full_travel > 0) once the
+    window has moved full_travel positions since the last one. A row due a full forward
+    is not also due a renewal.
 
     Args:
       ctx: the canvas facts (P, G, T, shift).
       gen: [b, G] int32 generated region before this iteration.
       new: [b, G] int32 after the cascade.
-      lanes: LaneState after the advance (win, fresh, since_full, need_full, visible,
-        extend, refreshes are read).
+      lanes: LaneState after the advance (win, fresh, need_full, need_renew, full_win,
+        renew_win, refreshes, renewals are read).
       out: the call's output (targets [b, n], full [], serve [b]).
       advance, gen_done: [b] bool from `advance_phase`.
-      block_length, refresh_every, refresh_at_advance, horizon: the schedule's settings.
-      tail_hidden: the first call hid part of the canvas (the visible horizon is in use).
-      fork: [b] bool from `fork_phase` (None: no row forked).
-      refresh_at_fork, refresh_travel, renew, full_travel: the schedule's settings.
+      refresh_travel, renew, full_travel: the schedule's settings (renew 0 where the
+        schedule makes no renewals).
       renewed: [b, G] bool, the columns this call renewed (None: no renewal).
     Returns:
-      lanes with fresh [b, G] and since_full, full_win, renew_win, need_full,
-      need_renew, visible, extend, refreshes, renewals [b] updated.
+      lanes with fresh [b, G] and full_win, renew_win, need_full, need_renew,
+      refreshes, renewals [b] updated.
     """
-    G = ctx.gen_length
     fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
 
     full = out.serve & out.full
     renewed_row = out.serve & ~out.full & lanes.need_renew
-    since = jnp.where(full, 0, lanes.since_full + out.serve)
-    need = jnp.zeros((ctx.batch,), bool)  # a refresh is due (full, or renewal with renew)
-    if refresh_at_advance:  # Fast-dLLM's dual cache re-encodes at each new block
-        need = need | (advance & ~gen_done)
-    if refresh_at_fork and fork is not None:  # the prefix left behind is re-encoded
-        need = need | fork
+    # A refresh is due (a full forward, or a renewal with renew) at each new block.
+    need = advance & ~gen_done
     full_win = jnp.where(full, lanes.win, lanes.full_win)
     renew_win = jnp.where(full | renewed_row, lanes.win, lanes.renew_win)
     if refresh_travel:  # the window moved a block's worth since the cache was renewed
@@ -608,21 +543,11 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
         need, need_renew = jnp.zeros((ctx.batch,), bool), need
         if full_travel:
             need = need | ((lanes.win - full_win >= full_travel) & ~gen_done)
-    if refresh_every:
-        need = need | (since >= refresh_every)
-    shown = full & lanes.extend
-    visible = jnp.where(shown, G, lanes.visible)
-    extend = lanes.extend & ~shown
-    if tail_hidden:  # the window nears the horizon: the next call shows everything
-        near = (lanes.win + block_length + horizon // 2 > visible) & (visible < G) & ~gen_done
-        extend = jnp.where(out.serve, extend | near, extend)
-        need = need | near
     return lanes.replace(
-        fresh=fresh, since_full=since.astype(jnp.int32), full_win=full_win.astype(jnp.int32),
+        fresh=fresh, full_win=full_win.astype(jnp.int32),
         renew_win=renew_win.astype(jnp.int32),
         need_full=jnp.where(out.serve, need, lanes.need_full),
         need_renew=jnp.where(out.serve, need_renew & ~need, lanes.need_renew),
-        visible=visible.astype(jnp.int32), extend=extend,
         refreshes=(lanes.refreshes + full).astype(jnp.int32),
         renewals=(lanes.renewals + renewed_row).astype(jnp.int32))
 
@@ -631,13 +556,16 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
 class AsyncLaneSchedule(Schedule):
     """AsyncLane: lanes that fork at delimiters, refine and advance at once.
 
+    A row's first call, and its call after each move of the window to a new block, are
+    full forwards over the canvas (the dual cache of Fast-dLLM); the calls in between
+    are cached calls. While a refine lane holds a mask, the refine lanes' most confident
+    position commits every iteration (else the window's), so forking never idles; a
+    prefix forks only when the next call's extra queries can re-encode every stale
+    position in it.
+
     Attributes:
       block_length: B, positions in the generate window.
       threshold: confidence at which a masked position commits (window and refine lanes).
-      relaxed_threshold: confidence at which a window position within `radius` of an
-        anchor (a position committing at threshold this step) commits, as LocalLeap
-        does (capped at threshold; equal to it: no relaxation).
-      radius: an anchor's neighbourhood, in positions.
       lookahead: W, positions after the window whose predictions are kept as drafts
         (0: no lookahead).
       draft_threshold: confidence at which a window position commits when its
@@ -654,64 +582,34 @@ class AsyncLaneSchedule(Schedule):
         token ids.
       refine_window: most masked positions a prefix may still hold when it forks.
       stable_fraction: least committed fraction of a prefix when it forks.
-      refine_budget: iterations a refine lane commits by threshold only; after that
-        it also commits its most confident position every iteration.
-      progress: what commits in an iteration in which nothing passes its threshold
-        while a refine lane holds a mask (the window then never forces its best):
-        refine-first (the most confident refine-lane position, else the window's),
-        best (the most confident of the refine lanes and the window together), or
-        wait (nothing: the iteration may commit nothing).
-      extra_queries: E, query slots per call for dirty positions and refine lanes.
-      horizon: generated positions visible beyond the window's end (0: the whole
-        canvas, always). The first call is a cached call over the prompt and the first
-        block_length + horizon positions only, with the rest of the canvas out of
-        attention; when the window comes within horizon/2 of the visible end, a full
-        forward makes the whole canvas visible from then on. Other full forwards
-        (refresh_every, refresh_at_advance) keep the horizon and re-encode only the
-        visible part.
-      refresh_every: a full forward every this many calls of a row (0: none).
-      refresh_at_advance: a full forward whenever the window moves to a new block
-        (Fast-dLLM's dual-cache schedule); under the horizon it re-encodes only the
-        visible part.
-      refresh_at_fork: a full forward right after a fork (as refresh_at_advance does
-        after an advance): the forked prefix's committed positions get K/V computed
-        from their tokens; under the horizon it re-encodes only the visible part.
-      requery_at_fork: the compact alternative: the call right after a fork queries
-        the B positions of the window it forked from (the prefix and the start of the
-        new window) instead of the new window, so a cached call re-encodes the prefix;
-        the rest of the new window waits one call for its predictions.
-      fork_when_fresh: a second compact alternative: a prefix forks only when its
-        masks and its committed positions with stale cached K/V together fit in the
-        extra_queries slots, so the next call re-encodes every stale one; a prefix
-        committed in one go forks a call later, after the window's own queries
-        re-encoded it. No full forward and no lost call. Pair it with
-        refresh_at_fork=false (and refresh_travel, below).
+      refine_budget: iterations after a fork from which a refine lane also commits its
+        own most confident position every iteration (before that, only the one commit
+        forced per iteration, the refine lanes' most confident, serves it).
+      extra_queries: E, query slots per call for dirty positions and refine lanes; a
+        prefix forks only when its masks and stale positions fit in them.
       refresh_travel: a full forward once the window has moved this many positions
         since the row's last one, by forks or advances (0: off). Forks move the window
-        without an advance, so with forking and no refresh at each fork the cache of
-        the canvas after the window is otherwise never renewed; refresh_travel=B
-        renews it as often as refresh_at_advance does with one lane.
+        without an advance, so with forking the cache of the canvas after the window
+        is otherwise never renewed; refresh_travel=B renews it as often as the refresh
+        at each new block does with one lane.
       renew: positions after the window that a renewal call re-encodes (0, the
         default: no renewals, every refresh a full forward). With renew > 0 a
-        refresh due at an advance, a fork or by travel is not a full forward but a
+        refresh due at an advance or by travel is not a full forward but a
         renewal: the row's next cached call also queries the `renew_back` positions
         before the window and the `renew` positions after the window and lookahead,
         writing their K/V (logits are read only for the usual queries), so the cache
         near the window is renewed at the cost of a wider cached call. The canvas
         further on keeps the K/V of the last full forward. Where the renewal call
         would be at least as wide as the canvas, the full forwards stay (renew=256 at
-        gen_length 256); so they do with a horizon. renew=256 is faster at
+        gen_length 256). renew=256 is faster at
         gen_length 512 on tiny-llada-v4b at the same overall accuracy, but less
         accurate on its answers longer than 256 tokens (module docstring;
         experiments/results/bench/bench_tiny-llada-v4b.md).
       renew_back: positions before the window that a renewal call re-encodes.
       renew_prompt: a renewal call also re-encodes the prompt.
       full_travel: with renew, a full forward once the window has moved this many
-        positions since the row's last one (0: only the first call's and the
-        horizon's).
+        positions since the row's last one (0: only the first call's).
       cascade: cascading termination at the first committed end-of-text.
-      cache: dual (cached calls between full forwards) or none (every call a full
-        forward).
     """
 
     name = "asynclane"
@@ -719,11 +617,9 @@ class AsyncLaneSchedule(Schedule):
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "delimiter_ids")
     # The bench: the sampler under study; its rows meet the baselines of its footing.
     under_study: ClassVar[bool] = True
-    footing_options: ClassVar[tuple[str, ...]] = ("cascade", "horizon", "renew")
+    footing_options: ClassVar[tuple[str, ...]] = ("cascade", "renew")
     block_length: int = 32
     threshold: float = 0.95
-    relaxed_threshold: float = 0.95
-    radius: int = 4
     lookahead: int = 0
     draft_threshold: float = 0.7
     max_lanes: int | None = None
@@ -731,21 +627,13 @@ class AsyncLaneSchedule(Schedule):
     refine_window: int = 4
     stable_fraction: float = 0.5
     refine_budget: int = 4
-    progress: str = "refine-first"
     extra_queries: int = 4
-    horizon: int = 0
-    refresh_every: int = 0
-    refresh_at_advance: bool = True
-    refresh_at_fork: bool = False
-    requery_at_fork: bool = False
-    fork_when_fresh: bool = True
     refresh_travel: int = 32
     renew: int = 0
     renew_back: int = 32
     renew_prompt: bool = False
     full_travel: int = 0
     cascade: bool = True
-    cache: str = "dual"
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
     delimiter_ids: tuple[int, ...] | None = None
 
@@ -754,20 +642,14 @@ class AsyncLaneSchedule(Schedule):
         n = self.name
         ops.check_threshold(n, self.threshold)
         ops.check_threshold(n, self.draft_threshold, "draft_threshold")
-        ops.check_threshold(n, self.relaxed_threshold, "relaxed_threshold")
-        for field, low in (("block_length", 1), ("radius", 0), ("lookahead", 0), ("max_lanes", 1),
+        for field, low in (("block_length", 1), ("lookahead", 0), ("max_lanes", 1),
                            ("refine_window", 0), ("refine_budget", 0), ("extra_queries", 0),
-                           ("horizon", 0), ("refresh_every", 0), ("refresh_travel", 0),
-                           ("renew", 0), ("renew_back", 0), ("full_travel", 0)):
+                           ("refresh_travel", 0), ("renew", 0), ("renew_back", 0),
+                           ("full_travel", 0)):
             if getattr(self, field) is not None and getattr(self, field) < low:
                 raise SamplerError(f"{n}: {field}={getattr(self, field)} must be >= {low}")
         if not 0 <= self.stable_fraction <= 1:
             raise SamplerError(f"{n}: stable_fraction={self.stable_fraction} must be in [0, 1]")
-        if self.progress not in PROGRESS_RULES:
-            raise SamplerError(f"{n}: progress={self.progress!r}: expected one of "
-                               f"{', '.join(PROGRESS_RULES)}")
-        if self.cache not in ("dual", "none"):
-            raise SamplerError(f"{n}: cache={self.cache!r}: expected dual or none")
         if self.max_lanes != 1 and self.extra_queries == 0:
             raise SamplerError(f"{n}: forking (max_lanes > 1) needs extra_queries >= 1 "
                                "to serve the refine lanes")
@@ -825,7 +707,7 @@ class AsyncLaneSchedule(Schedule):
     # -- what the driver asks -------------------------------------------------------
     @property
     def uses_cache(self) -> bool:
-        return self.cache != "none"
+        return True
 
     @property
     def forking(self) -> bool:
@@ -843,7 +725,7 @@ class AsyncLaneSchedule(Schedule):
         zeros = jnp.zeros((b,), jnp.int32)
         first = slots == 0
         return LaneState(
-            win=zeros, qwin=zeros, gen_slot=zeros,
+            win=zeros, gen_slot=zeros,
             kind=jnp.broadcast_to(jnp.where(first, GENERATE, FREE), (b, M)).astype(jnp.int32),
             start=jnp.zeros((b, M), jnp.int32),
             end=jnp.broadcast_to(jnp.where(first, min(self.block_length, G), 0),
@@ -855,37 +737,28 @@ class AsyncLaneSchedule(Schedule):
             fresh=jnp.zeros((b, G), bool),
             draft=jnp.full((b, G), -1, jnp.int32),
             eos=jnp.full((b,), G, jnp.int32),
-            visible=jnp.full((b,), self._first_visible(G), jnp.int32),
-            extend=jnp.zeros((b,), bool),
-            need_full=jnp.full((b,), self._first_visible(G) == G),
+            need_full=jnp.ones((b,), bool),  # the first call is a full forward
             need_renew=jnp.zeros((b,), bool),
-            since_full=zeros, full_win=zeros, renew_win=zeros, steps=zeros, forks=zeros,
+            full_win=zeros, renew_win=zeros, steps=zeros, forks=zeros,
             peak=jnp.ones((b,), jnp.int32), refreshes=zeros, renewals=zeros, cuts=zeros,
             idle=zeros)
 
     # -- helpers ----------------------------------------------------------------------
-    def _first_visible(self, G: int) -> int:
-        """Generated positions the first call encodes and attends (G: a full forward)."""
-        if not self.horizon or not self.uses_cache:
-            return G
-        return min(G, self.block_length + self.horizon)
-
     def _windows(self, st: LaneState, shift: int, G: int):
         """[b, G] masks of the generated columns that the window's and the lookahead's
         queries encode (a target c is queried at c - shift)."""
         B, W = self.block_length, self.lookahead
         j = jnp.arange(G)[None, :]
-        win_lo, la_lo = st.qwin[:, None], st.win[:, None] + B
+        win_lo, la_lo = st.win[:, None], st.win[:, None] + B
         win_enc = (j >= win_lo - shift) & (j < win_lo + B - shift)
         la_enc = (j >= la_lo - shift) & (j < la_lo + W - shift)
         return win_enc, la_enc
 
     def _renews(self, ctx: Context) -> bool:
-        """Whether refreshes are renewals: renew > 0, a cache, no horizon (whose
-        refreshes keep their full forwards over the view), and a renewal call narrower
-        than the canvas (a wider one would cost more than the full forward it
-        replaces: then the full forwards stay)."""
-        if not self.renew or not self.uses_cache or self.horizon:
+        """Whether refreshes are renewals: renew > 0 and a renewal call narrower than
+        the canvas (a wider one would cost more than the full forward it replaces: then
+        the full forwards stay)."""
+        if not self.renew:
             return False
         width = (self.block_length + self.lookahead + self.extra_queries + self.renew_back
                  + self.renew + (ctx.prompt_len if self.renew_prompt else 0))
@@ -894,11 +767,11 @@ class AsyncLaneSchedule(Schedule):
     def renewal_columns(self, st: LaneState, G: int):
         """[b, R] generated columns a renewal call re-encodes (G: none), R = renew_back +
         renew: the renew_back positions before the window's queries and the `renew`
-        after the window and its lookahead, before the text frontier and the horizon.
-        (The prompt's columns, with renew_prompt, come on top.)"""
+        after the window and its lookahead, before the text frontier. (The prompt's
+        columns, with renew_prompt, come on top.)"""
         B, W = self.block_length, self.lookahead
-        seen = jnp.minimum(text_frontier(st.eos, G, self.cascade), st.visible)[:, None]
-        before = st.qwin[:, None] - self.renew_back + jnp.arange(self.renew_back)[None, :]
+        seen = text_frontier(st.eos, G, self.cascade)[:, None]
+        before = st.win[:, None] - self.renew_back + jnp.arange(self.renew_back)[None, :]
         after = st.win[:, None] + B + W + jnp.arange(self.renew)[None, :]
         cols = jnp.concatenate([before, after], axis=1)
         return jnp.where((cols >= 0) & (cols < seen), cols, G)
@@ -909,24 +782,6 @@ class AsyncLaneSchedule(Schedule):
             return None
         return self.block_length + self.lookahead + self.extra_queries
 
-    def key_bound(self, ctx: Context) -> int | None:
-        V = self._first_visible(ctx.gen_length)
-        return None if V == ctx.gen_length else ctx.prompt_len + V
-
-    def first_plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan | None:
-        V = self._first_visible(ctx.gen_length)
-        if V == ctx.gen_length:
-            return None  # the loop's first call is a full forward
-        # A cached call over [0, P + V): the prompt and the first V generated positions
-        # are encoded, and attend only to each other. Logits are computed only for the
-        # queries a regular plan would read (query index = column here).
-        cols = jnp.arange(ctx.prompt_len + V, dtype=jnp.int32)
-        read = self.plan(ctx, canvas, st, live).positions
-        return Plan(positions=jnp.broadcast_to(cols, (ctx.batch, cols.size)),
-                    full=jnp.asarray(False), serve=live,
-                    visible=jnp.full((ctx.batch,), ctx.prompt_len + V, jnp.int32),
-                    logits_at=jnp.where(read < cols.size, read, cols.size))
-
     def plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan:
         P, G, T, s = ctx.prompt_len, ctx.gen_length, ctx.length, ctx.shift
         B, W, E = self.block_length, self.lookahead, self.extra_queries
@@ -935,22 +790,18 @@ class AsyncLaneSchedule(Schedule):
         masked = gen == ctx.mask_id
         j = jnp.arange(G)[None, :]
 
-        seen = jnp.minimum(frontier, st.visible[:, None])  # nothing hidden is queried
-
         def targets(first, n):  # generated targets first .. first + n - 1, as query columns
             t = first[:, None] + jnp.arange(n)[None, :]
-            return jnp.where(t < seen, P + t - s, T)
+            return jnp.where(t < frontier, P + t - s, T)  # nothing in the tail is queried
 
-        parts = [targets(st.qwin, B)]
+        parts = [targets(st.win, B)]
         if W:
             parts.append(targets(st.win + B, W))
         if E:
             win_enc, la_enc = self._windows(st, s, G)
             dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc & ~la_enc
-            # (A refine target the window's queries already cover is not queried twice:
-            # with requery_at_fork, the call after a fork queries the prefix's window.)
-            in_q = (j >= st.qwin[:, None]) & (j < st.qwin[:, None] + B)
-            refine = masked & (lane_owner(st, G, (REFINE,)) < st.kind.shape[-1]) & ~in_q
+            # (Refine lanes lie before the window: the window's queries never cover them.)
+            refine = masked & (lane_owner(st, G, (REFINE,)) < st.kind.shape[-1])
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
             score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, ops.NEG_INF))
             top, idx = jax.lax.top_k(score, min(E, G))
@@ -966,15 +817,10 @@ class AsyncLaneSchedule(Schedule):
                 parts.append(jnp.where(due & (pcols >= ctx.pad_len[:, None]), pcols, T))
             wide = jnp.any(live & st.need_renew)
         positions = jnp.concatenate(parts, axis=1).astype(jnp.int32)
-        if not self.uses_cache:
-            return Plan(positions=positions, full=jnp.asarray(True), serve=live)
         need = live & st.need_full
         full = jnp.any(need)
-        visible = None
-        if self._first_visible(G) < G:  # a row nearing its horizon is shown everything
-            visible = jnp.where(st.extend, T, P + st.visible).astype(jnp.int32)
         return Plan(positions=positions, full=full, serve=jnp.where(full, need, live),
-                    visible=visible, wide=wide)
+                    wide=wide)
 
     def update(self, ctx: Context, canvas, st: LaneState, out: CallOutput, key):
         """One iteration's commits and lane moves: the phases above, in order. The
@@ -992,9 +838,8 @@ class AsyncLaneSchedule(Schedule):
         pred, pconf, has = scatter_predictions(ctx, out)
         new, lanes = commit_phase(
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
-            block_length=B, threshold=self.threshold, relaxed_threshold=self.relaxed_threshold,
-            radius=self.radius, lookahead=self.lookahead, draft_threshold=self.draft_threshold,
-            refine_budget=self.refine_budget, progress=self.progress)
+            block_length=B, threshold=self.threshold, lookahead=self.lookahead,
+            draft_threshold=self.draft_threshold, refine_budget=self.refine_budget)
         new, lanes = cascade_phase(ctx, new, lanes, cascade=self.cascade)
         committed = jnp.any((gen == ctx.mask_id) & (new != ctx.mask_id), axis=-1)
         lanes = lanes.replace(idle=(lanes.idle + (out.serve & ~committed)).astype(jnp.int32))
@@ -1004,23 +849,15 @@ class AsyncLaneSchedule(Schedule):
             ctx, new, lanes, frontier, out.serve, block_length=B,
             refine_window=self.refine_window, stable_fraction=self.stable_fraction,
             delimiter_ids=self.delimiter_ids if self.forking else (),
-            fresh=(fresh_columns(ctx, gen, new, lanes, out, renewed)
-                   if self.fork_when_fresh else None),
+            fresh=fresh_columns(ctx, gen, new, lanes, out, renewed),
             query_slots=self.extra_queries)
         lanes, advance, gen_done = advance_phase(ctx, new, lanes, frontier, out.serve, fork,
                                                  block_length=B)
         lanes = refresh_phase(
-            ctx, gen, new, lanes, out, advance, gen_done, block_length=B,
-            refresh_every=self.refresh_every, refresh_at_advance=self.refresh_at_advance,
-            horizon=self.horizon, tail_hidden=self._first_visible(G) < G, fork=fork,
-            refresh_at_fork=self.refresh_at_fork, refresh_travel=self.refresh_travel,
+            ctx, gen, new, lanes, out, advance, gen_done, refresh_travel=self.refresh_travel,
             renew=self.renew if self._renews(ctx) else 0, full_travel=self.full_travel,
             renewed=renewed)
-        qwin = lanes.win
-        if self.requery_at_fork:  # the next call re-encodes the prefix left behind
-            qwin = jnp.where(out.serve, jnp.where(fork, st.win, lanes.win), st.qwin)
-        return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve,
-                                                        qwin=qwin.astype(jnp.int32))
+        return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve)
 
     def done(self, ctx: Context, canvas, st: LaneState):
         return ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=-1)

@@ -23,34 +23,23 @@ full forward.
 
 Two options put a block sampler on AsyncLane's footing (asynclane.py; both off by
 default, as published):
-  - The visible horizon (`horizon` > 0, with a cache). Generated positions [0, visible)
-    take part in attention, visible = min(G, block_length + horizon) to start with; the
-    rest of the canvas is out of attention and never encoded. The block-start refresh of
-    block 0 is a full forward over the prompt and those columns only, and while every
-    served row's view is within them each call, refreshes included, reads and attends
-    only that part of the cache (`Schedule.key_bound`). When a row enters a block whose
-    start s has s + block_length + horizon // 2 > visible (the window nears the end of
-    its view), its view becomes the whole canvas, and that block's refresh is a full
-    forward over everything. An answer that ends inside the view makes the calls it
-    would make on a canvas of block_length + horizon positions, whatever gen_length is.
   - The cascade (`cascade`). An end-of-text committed at p ends the row there: every
     later position becomes end-of-text at once (mid-block, unlike `early_stop`, which
     waits for the block to finish), and the row is done when no generated position is
     masked, so no call is spent on the tail.
-A third, `renew` (dual cache), gives the block samplers AsyncLane's renewal calls: the
-refresh at the start of every block after the first is not a full forward but a wide
-cached call that queries the block (minus the shift, as a full forward would) and also
-re-encodes the block before it and the `renew` positions after it; the rest of the
-canvas keeps the K/V of the row's first full forward. Rows are then not batched into one
-refresh: a row starting its first block gets a full forward at once (the others wait
-that one call), and a row starting a later block renews in the call that serves every
-row.
+  - Renewal calls (`renew` > 0, dual cache), as AsyncLane's: the refresh at the start
+    of every block after the first is not a full forward but a wide cached call that
+    queries the block (minus the shift, as a full forward would) and also re-encodes
+    the block before it and the `renew` positions after it; the rest of the canvas
+    keeps the K/V of the row's first full forward. Rows are then not batched into one
+    refresh: a row starting its first block gets a full forward at once (the others
+    wait that one call), and a row starting a later block renews in the call that
+    serves every row.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, ClassVar
 
 import jax
@@ -74,8 +63,6 @@ class BlockState:
     block: jax.Array  # [b] int32 current block index; == num_blocks once the row is done
     step_in_block: jax.Array  # [b] int32 iterations the row has spent in its block
     policy: Any  # the sampler's own state (pytree)
-    # [b] int32: generated positions [0, visible) are attended (the horizon; G: all).
-    visible: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +78,13 @@ class BlockSchedule(Schedule):
       early_stop: once a finished block holds an end-of-text token, everything after it
         becomes end-of-text and the row stops (the public LocalLeap code's option; off
         as published).
-      horizon: generated positions visible beyond the current block's end, as
-        asynclane's (0: the whole canvas, always, as published; needs a cache). At
-        first only the prompt and the first block_length + horizon positions are
-        encoded and attended; when a row enters a block within horizon/2 of the end of
-        its view, that block's refresh shows the whole canvas from then on.
       cascade: an end-of-text committed at p ends the row there at once: every later
         position becomes end-of-text and no call is spent on the tail, as asynclane's
         cascade (off as published).
       renew: with the dual cache, the refresh at the start of a block after the first
         is a renewal call, as asynclane's (module docstring): the block, the block
         before it and the `renew` positions after it are re-encoded in a cached call
-        (0: full forwards, as published). Not with a horizon.
+        (0: full forwards, as published).
     """
 
     # The sampler's usual block length (None: one block of gen_length).
@@ -110,13 +92,12 @@ class BlockSchedule(Schedule):
     # With a logit-shifted model (Dream), the block-start step commits exactly the
     # block's first column by argmax (Fast-dLLM's Dream block decoding); see above.
     shift_commits_block_start: ClassVar[bool] = False
-    # The bench (Schedule): all four footing options; the faster cache by default.
-    footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade", "horizon", "renew")
+    # The bench (Schedule): all three footing options; the faster cache by default.
+    footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade", "renew")
     bench_defaults: ClassVar[tuple[str, ...]] = ("cache=prefix|dual",)
     block_length: int | None = None
     cache: str = "none"
     early_stop: bool = False
-    horizon: int = 0
     cascade: bool = False
     renew: int = 0
 
@@ -135,24 +116,10 @@ class BlockSchedule(Schedule):
         if self.cache not in CACHE_MODES:
             raise SamplerError(f"cache={self.cache!r}: expected one of {CACHE_MODES}")
         n = self.name or type(self).__name__
-        try:
-            horizon = operator.index(self.horizon)
-        except TypeError:
-            horizon = -1
-        if isinstance(self.horizon, bool) or horizon < 0:
-            raise SamplerError(f"{n}: horizon={self.horizon!r} must be a whole number >= 0")
-        object.__setattr__(self, "horizon", int(horizon))
-        if self.horizon and not self.uses_cache:
-            raise SamplerError(f"{n}: horizon={self.horizon} needs a cache (prefix or "
-                               f"dual); with cache={self.cache!r} every call is a full "
-                               "forward over the whole canvas")
         if isinstance(self.renew, bool) or not isinstance(self.renew, int) or self.renew < 0:
             raise SamplerError(f"{n}: renew={self.renew!r} must be a whole number >= 0")
         if self.renew and self.cache != "dual":
             raise SamplerError(f"{n}: renew={self.renew} needs cache='dual'")
-        if self.renew and self.horizon:
-            raise SamplerError(f"{n}: renew and horizon do not go together (a renewal "
-                               "does not show the hidden canvas)")
         if self.cascade not in (True, False):
             raise SamplerError(f"{n}: cascade={self.cascade!r} must be true or false")
         object.__setattr__(self, "cascade", bool(self.cascade))
@@ -164,17 +131,6 @@ class BlockSchedule(Schedule):
     @property
     def uses_cache(self) -> bool:
         return self.cache != "none"
-
-    def first_visible(self, G: int) -> int:
-        """Generated positions a row attends to at first (G: the whole canvas, no
-        horizon)."""
-        if not self.horizon or not self.uses_cache:
-            return G
-        return min(G, self.block_length + self.horizon)
-
-    def key_bound(self, ctx: Context) -> int | None:
-        V = self.first_visible(ctx.gen_length)
-        return None if V == ctx.gen_length else ctx.prompt_len + V
 
     def max_iterations(self) -> int:
         # Every served iteration commits at least one token; with a cache a row may also
@@ -205,9 +161,7 @@ class BlockSchedule(Schedule):
         b = ctx.batch
         return BlockState(block=jnp.zeros((b,), jnp.int32),
                           step_in_block=jnp.zeros((b,), jnp.int32),
-                          policy=self.init_policy(b),
-                          visible=jnp.full((b,), self.first_visible(ctx.gen_length),
-                                           jnp.int32))
+                          policy=self.init_policy(b))
 
     def _columns(self, ctx: Context, block):
         """[b, B] canvas columns of each row's current block (the last for finished rows)."""
@@ -237,17 +191,13 @@ class BlockSchedule(Schedule):
             return self._renewal_plan(ctx, state, live, cols, full_q)
         need = live & (state.step_in_block == 0)
         refresh = jnp.all(need | ~live)
-        visible = None
-        if self.first_visible(ctx.gen_length) < ctx.gen_length:  # the horizon is in use
-            visible = (ctx.prompt_len + state.visible).astype(jnp.int32)
         if self.cache == "dual":
             cached_q = cols
-        else:  # prefix: the block start to the canvas end (to the end of the view)
+        else:  # prefix: the block start to the canvas end
             cached_q = cols[:, :1] + jnp.arange(Q, dtype=jnp.int32)[None, :]
-            end = T if visible is None else visible[:, None]
-            cached_q = jnp.where(cached_q < end, cached_q, T)
+            cached_q = jnp.where(cached_q < T, cached_q, T)
         return Plan(positions=jnp.where(refresh, full_q, cached_q), full=refresh,
-                    serve=jnp.where(refresh, need, live & ~need), visible=visible)
+                    serve=jnp.where(refresh, need, live & ~need))
 
     def _renewal_plan(self, ctx: Context, state: BlockState, live, cols, full_q) -> Plan:
         """The plan with renewals (`renew`): a row starting its first block gets a full
@@ -300,18 +250,10 @@ class BlockSchedule(Schedule):
         if self.cascade:  # nothing left to decode: the row is done
             ended = out.serve & ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=1)
             block = jnp.where(ended, self.num_blocks, block)
-        visible = state.visible
-        if self.first_visible(ctx.gen_length) < ctx.gen_length:
-            # A row entering a block near the end of its view is shown the whole canvas
-            # (its block-start refresh, the next call serving it, is then unbounded).
-            start = block * B
-            near = (block_done & (block < self.num_blocks)
-                    & (start + B + self.horizon // 2 > visible))
-            visible = jnp.where(near, ctx.gen_length, visible)
         step_in_block = jnp.where(block_done, 0, state.step_in_block + out.serve)
         return canvas, BlockState(block=block.astype(jnp.int32),
                                   step_in_block=step_in_block.astype(jnp.int32),
-                                  policy=pstate, visible=visible.astype(jnp.int32))
+                                  policy=pstate)
 
     @staticmethod
     def _cascade(ctx: Context, canvas, serve):
@@ -339,8 +281,8 @@ class FixedStepsSchedule(BlockSchedule):
         the number of blocks.
     """
 
-    # No cache, so no visible horizon: not an option of these samplers (it stays 0).
-    structural: ClassVar[tuple[str, ...]] = ("gen_length", "horizon", "renew")
+    # No cache, so no renewals: not an option of these samplers (it stays 0).
+    structural: ClassVar[tuple[str, ...]] = ("gen_length", "renew")
     footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade")
     bench_defaults: ClassVar[tuple[str, ...]] = ()
     steps: int | None = None

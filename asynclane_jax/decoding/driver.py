@@ -88,9 +88,6 @@ def check_plan(schedule: Schedule, plan: Plan, b: int, where: str = "plan") -> N
     chex.assert_type(plan.full, bool, custom_message=f"{msg}.full is a bool")
     chex.assert_shape(plan.serve, (b,), custom_message=f"{msg}.serve is [b]")
     chex.assert_type(plan.serve, bool, custom_message=f"{msg}.serve is a bool mask")
-    if plan.visible is not None:
-        chex.assert_shape(plan.visible, (b,), custom_message=f"{msg}.visible is [b]")
-        chex.assert_type(plan.visible, int, custom_message=f"{msg}.visible is a column")
     if plan.wide is not None:
         chex.assert_shape(plan.wide, (), custom_message=f"{msg}.wide is one bool")
         chex.assert_type(plan.wide, bool, custom_message=f"{msg}.wide is a bool")
@@ -172,9 +169,6 @@ class ModelCalls:
     both `DiffusionLM.forward`. Each returns (logits, state with the cache and counters
     updated).
 
-    While every served row's view (`Plan.visible`) lies within the schedule's static
-    `key_bound`, a call reads and attends only the leading columns up to it.
-
     Each call counts itself under its shape (`sites`), with the key columns each
     served row attended.
     """
@@ -193,8 +187,6 @@ class ModelCalls:
             raise SamplerError(f"{schedule.name}: classifier-free guidance needs cache='none'")
         self.n_live = n_live  # [] rows counted in tokens_processed
         self.block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
-        bound = schedule.key_bound(ctx)
-        self.bound = None if bound is None or bound >= T else bound
         self.vocab = model.cfg.vocab_size
         self.narrow = schedule.narrow_queries(ctx) if self.use_cache else None
 
@@ -203,23 +195,15 @@ class ModelCalls:
         initial value `branch` needs."""
         return jnp.zeros(self.read_columns(plan).shape + (self.vocab,), jnp.float32)
 
-    def count(self, st: DecodeState, shape: CallShape, serve, attended, other=None):
-        """The state with one call of `shape` counted (of `other` instead where the
-        traced bool other[0] holds: (pred, CallShape)); attended [b]: key columns each
+    def count(self, st: DecodeState, shape: CallShape, serve, attended):
+        """The state with one call of `shape` counted; attended [b]: key columns each
         row attended."""
         i = self.sites.index(shape)
-        if other is not None:
-            i = jnp.where(other[0], self.sites.index(other[1]), i)
         return st.replace(
             shape_calls=st.shape_calls.at[i].add(1),
             row_shape_calls=st.row_shape_calls.at[:, i].add(serve.astype(jnp.int32)),
             row_shape_keys=st.row_shape_keys.at[:, i].add(
                 jnp.where(serve, attended, 0).astype(jnp.int32)))
-
-    def keys_of(self, plan: Plan):
-        if plan.visible is None:
-            return self.key_mask
-        return self.key_mask & (self.cols < plan.visible[:, None])
 
     def read_columns(self, plan: Plan):
         """[b, n] canvas columns whose outputs the schedule reads (T: none)."""
@@ -229,29 +213,14 @@ class ModelCalls:
         cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
         return jnp.where(plan.logits_at < Q, cols_at, self.T)
 
-    def bounded(self, plan: Plan, serve):
-        """Whether every served row's view lies within the schedule's key bound."""
-        if self.bound is None or plan.visible is None:
-            return None
-        return jnp.max(jnp.where(serve, plan.visible, 0)) <= self.bound
-
-    def full(self, st: DecodeState, plan: Plan, serve):
-        """Every column (re-)encoded, or only the leading `bound` columns while every
-        served row's view lies within them; logits read at the planned columns."""
-        small = self.bounded(plan, serve) if self.use_cache else None
-        if small is None:
-            return self.full_over(self.T, st, plan, serve)
-        return branch(small, lambda s: self.full_over(self.bound, s, plan, serve),
-                      lambda s: self.full_over(self.T, s, plan, serve), st,
-                      self.no_logits(plan))
-
-    def full_over(self, n: int, st: DecodeState, plan: Plan, serve):
-        """A full forward over the first n canvas columns (n = T: the whole canvas)."""
+    def full_over(self, st: DecodeState, plan: Plan, serve):
+        """A full forward over the canvas: every column (re-)encoded, logits read at
+        the planned columns."""
         T, ctx, block_ids = self.T, self.ctx, self.block_ids
-        read = jnp.minimum(self.read_columns(plan), n - 1)
-        keys = self.keys_of(plan)
+        read = jnp.minimum(self.read_columns(plan), T - 1)
+        keys = self.key_mask
         b, n_read = read.shape
-        attended = jnp.sum(keys[:, :n], axis=1)
+        attended = jnp.sum(keys, axis=1)
         if self.cfg_scale > 0:
             # Unconditional copy: the prompt replaced by masks (LLaDA generate.py).
             uncond = jnp.where(self.cols < ctx.prompt_len, ctx.mask_id, st.canvas)
@@ -267,16 +236,15 @@ class ModelCalls:
                 nfe_full=st.nfe_full + 1,
                 tokens_processed=st.tokens_processed + 2 * self.n_live * T,
                 row_full=st.row_full + serve), shape, serve, attended)
-        write = jnp.where(serve[:, None], self.cols[:, :n], T)  # only served rows' cache
+        write = jnp.where(serve[:, None], self.cols, T)  # only served rows' cache
         logits, cache = self.model.forward(
-            st.canvas[:, :n], self.positions[:, :n], key_mask=keys, cache=st.cache,
+            st.canvas, self.positions, key_mask=keys, cache=st.cache,
             write_index=write if self.use_cache else None, logits_index=read,
-            key_len=n if self.use_cache and n < T else None,
-            block_ids=None if block_ids is None else block_ids[:, :n])
-        shape = CallShape("full", b, n, n, n_read, self.use_cache, T)
+            block_ids=block_ids)
+        shape = CallShape("full", b, T, T, n_read, self.use_cache, T)
         return logits, self.count(st.replace(
             cache=cache, nfe_full=st.nfe_full + 1,
-            tokens_processed=st.tokens_processed + self.n_live * n,
+            tokens_processed=st.tokens_processed + self.n_live * T,
             row_full=st.row_full + serve), shape, serve, attended)
 
     def of_width(self, plan: Plan, serve):
@@ -308,32 +276,18 @@ class ModelCalls:
         write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
         logits_at = (None if plan.logits_at is None else
                      jnp.minimum(plan.logits_at, plan.positions.shape[1] - 1))
-
-        def call(key_len):
-            return lambda cache: self.model.forward(
-                tokens_q, pos_q, key_mask=self.keys_of(plan), cache=cache,
-                write_index=write, logits_index=logits_at, key_len=key_len,
-                block_ids=self.block_ids)
-
-        small = self.bounded(plan, serve)
+        logits, cache = self.model.forward(
+            tokens_q, pos_q, key_mask=self.key_mask, cache=st.cache, write_index=write,
+            logits_index=logits_at, block_ids=self.block_ids)
         b, Q = plan.positions.shape
         n_read = Q if plan.logits_at is None else plan.logits_at.shape[1]
         shape = CallShape("cached", b, Q, T, n_read, True, T)
-        if small is None:
-            logits, cache = call(None)(st.cache)
-            other = None
-        else:  # attend only to the leading columns while every row's view is within them
-            logits, cache = branch(small, call(self.bound), call(None), st.cache,
-                                   self.no_logits(plan))
-            other = (small, dataclasses.replace(shape, keys=self.bound))
         n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
-        # Keys beyond a row's view are masked, so its attended columns are the same
-        # whether the call reads all T or only the leading `bound`.
-        attended = jnp.sum(self.keys_of(plan), axis=1)
+        attended = jnp.sum(self.key_mask, axis=1)
         return logits, self.count(st.replace(
             cache=cache, nfe_partial=st.nfe_partial + 1,
             tokens_processed=st.tokens_processed + n,
-            row_partial=st.row_partial + serve), shape, serve, attended, other)
+            row_partial=st.row_partial + serve), shape, serve, attended)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,10 +364,10 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
         serve = plan.serve & ~st.finished
         plan, cached = calls.of_width(plan, serve)
         if use_cache:
-            logits, st = branch(plan.full, lambda s: calls.full(s, plan, serve), cached, st,
+            logits, st = branch(plan.full, lambda s: calls.full_over(s, plan, serve), cached, st,
                                 calls.no_logits(plan))
         else:
-            logits, st = calls.full(st, plan, serve)
+            logits, st = calls.full_over(st, plan, serve)
         # The output at column q predicts column q + shift (Dream), in every call.
         cols = calls.read_columns(plan)
         targets = jnp.where(cols < T, cols + ctx.shift, T)

@@ -5,9 +5,8 @@ compiled program. Each iteration of the driver's one `lax.while_loop`:
 
   1. `plan(ctx, canvas, state, live) -> Plan`: per row a fixed number Q of canvas
      columns to query (padded with T, an index that is dropped), whether the call is a
-     full forward over the whole canvas, which rows the call serves, and optionally how
-     much of the canvas the call may attend to (`first_plan` may ask for one first call
-     of another query count);
+     full forward over the whole canvas, and which rows the call serves (`first_plan`
+     may ask for one first call of another query count);
   2. the driver makes the model call (full, or cached against the K/V of the whole
      canvas) and keeps the cache, counters and rng;
   3. `update(ctx, canvas, state, out, key) -> (canvas, state)`: commits anywhere on
@@ -50,10 +49,6 @@ class Plan:
     positions: jax.Array  # [b, Q] int32 canvas columns queried; T marks an unused slot
     full: jax.Array  # [] bool: a full forward over the whole canvas (else a cached call)
     serve: jax.Array  # [b] bool: rows the call serves; other rows' canvas stays as it is
-    # [b] int32 or None: keys at canvas columns >= visible are not attended in this call
-    # (None: the whole canvas). A schedule that hides a region never queried yet keeps
-    # the cache's unwritten columns out of attention.
-    visible: jax.Array | None = None
     # [b, n] int32 or None: the queries (indices into `positions`) whose logits the
     # schedule reads; n >= Q marks an unused slot. None: every query's. A call with many
     # queries (e.g. a first call that encodes a long prefix) computes its output head
@@ -134,9 +129,9 @@ class Schedule:
     # Fields that `from_options` fills and callers do not pass as sampler options.
     structural: ClassVar[tuple[str, ...]] = ("gen_length",)
     # What the bench reads (asynclane_jax.bench.compare): the options of this sampler
-    # that set its footing, each named by its role (early_stop, cascade, horizon,
-    # renew; none: the sampler is compared as published), and whether it is the
-    # sampler under study, whose rows are compared with the baselines'.
+    # that set its footing, each named by its role (early_stop, cascade, renew; none:
+    # the sampler is compared as published), and whether it is the sampler under
+    # study, whose rows are compared with the baselines'.
     footing_options: ClassVar[tuple[str, ...]] = ()
     under_study: ClassVar[bool] = False
     # `key=value` options a bench spec of this sampler gets when it names none; `a|b`
@@ -202,14 +197,6 @@ class Schedule:
           Plan.
         """
         raise NotImplementedError
-
-    def key_bound(self, ctx: Context) -> int | None:
-        """A static column count: when every row of a cached call has `Plan.visible` at
-        most this, the call reads and attends only the cache's first columns up to it
-        (the attention over the hidden suffix is not computed at all). None: always the
-        whole canvas."""
-        del ctx
-        return None
 
     def narrow_queries(self, ctx: Context) -> int | None:
         """A static query count Qn for a schedule that makes cached calls of two

@@ -19,7 +19,7 @@ GEN = 64
 
 CASES = [
     ("fast-dllm", {"cache": "dual"}),
-    ("fast-dllm", {"cache": "prefix", "horizon": 16, "block_length": 16}),
+    ("fast-dllm", {"cache": "prefix", "block_length": 16}),
     ("fast-dllm", {"cache": "dual", "renew": 8, "block_length": 16}),
     ("asynclane", {}),
     ("vanilla", {"steps": 16, "cfg_scale": 1.0}),
@@ -74,20 +74,6 @@ def test_the_shapes_of_a_dual_cache_decode(tiny_llada_model):
     np.testing.assert_array_equal(st.row_shape_calls[:, i], GEN // 16)
     _, cached = by["cached"]
     assert cached == CallShape("cached", 4, 16, T, 16, True, T)
-
-
-def test_a_horizon_has_its_bounded_shapes(tiny_llada_model):
-    """With a visible horizon the first calls read only the leading columns: shapes of
-    their own, with keys = prompt + block + horizon, and the attended keys within."""
-    st = _decode(tiny_llada_model, "fast-dllm",
-                 {"cache": "prefix", "horizon": 16, "block_length": 16}).stats
-    bound = st.prompt_bucket + 16 + 16
-    bounded = [(i, s) for i, s in enumerate(st.call_shapes) if s.keys == bound]
-    assert {s.kind for _, s in bounded} == {"full", "cached"}
-    for i, _ in bounded:
-        if st.shape_calls[i]:
-            served = st.row_shape_calls[:, i]
-            assert np.all(st.row_shape_keys[:, i] <= served * bound)
 
 
 def test_the_counters_cost_no_host_callback(tiny_llada_model):

@@ -16,16 +16,13 @@ from asynclane_jax.decoding.lanes import DONE, FREE, TERMINATED
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.testbed import evaluate, tasks
 
-# AsyncLane with forking, lookahead and the cascade off, refreshing at every block start.
-AS_FAST_DLLM = dict(max_lanes=1, lookahead=0, extra_queries=0, cascade=False,
-                    refresh_at_advance=True, threshold=0.9, relaxed_threshold=0.9, horizon=0,
+# AsyncLane with forking, lookahead, the extra queries and the cascade off (it refreshes
+# with a full forward at every block start, as Fast-dLLM's dual cache does).
+AS_FAST_DLLM = dict(max_lanes=1, lookahead=0, extra_queries=0, cascade=False, threshold=0.9,
                     renew=0)
-# Forking at every newline of the shipped models' answers, with a full forward at each
-# fork (not the default: the defaults fork when the next call can re-encode the prefix).
-FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8, refresh_at_fork=True,
-               fork_when_fresh=False, refresh_travel=0)
-# One lane under the visible horizon of earlier releases (block 32 + 96 positions).
-HORIZON = dict(max_lanes=1, horizon=96, refresh_travel=0)
+# Forking at every newline of the shipped models' answers, with a lookahead and more
+# extra query slots than the defaults.
+FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8)
 
 
 def check_invariants(res, cfg, *, cascade: bool):
@@ -71,8 +68,7 @@ def test_equals_fast_dllm_dual_cache_on_random_llada(tiny_llada_model):
         ref = generate(model, prompts, sampler="fast-dllm", gen_length=32, block_length=8,
                        threshold=threshold, cache="dual")
         got = generate(model, prompts, sampler="asynclane", gen_length=32, block_length=8,
-                       delimiters="none", **{**AS_FAST_DLLM, "threshold": threshold,
-                                             "relaxed_threshold": threshold})
+                       delimiters="none", **{**AS_FAST_DLLM, "threshold": threshold})
         np.testing.assert_array_equal(got.tokens, ref.tokens)
         # The same calls per row: a full forward per block, cached calls in between.
         np.testing.assert_array_equal(got.stats.row_nfe_full, ref.stats.row_nfe_full)
@@ -104,18 +100,12 @@ def test_lanes_fork_and_cascade_on_the_shipped_model(shipped_llada):
     assert np.all(st_.peak_lanes >= 2)
     # Every answer ends well before 96 tokens; the cascade filled the rest.
     assert all(int(row[64]) in cfg.stop_token_ids for row in res.tokens)
-    # A full forward to start, and (refresh_at_fork, the default) one right after every
-    # fork that a call follows.
-    followed = [int(np.sum((st_.lane_split[r] >= 0)
-                           & (st_.lane_split[r] < st_.row_steps[r] - 1)))
-                for r in range(len(prompts))]
-    assert np.all(st_.refreshes >= 1 + np.asarray(followed)), (st_.refreshes, followed)
+    # No full forward at a fork: one to start, and at most one more as the window passes
+    # position 32 (refresh_travel=32, or the advance to a new block), however often
+    # the row forks.
+    assert np.all(st_.refreshes <= 2) and np.all(st_.refreshes <= st_.forks), (
+        st_.refreshes, st_.forks)
     np.testing.assert_array_equal(st_.row_nfe_full, st_.refreshes)
-    # Without it, no full forward for each block: one per row (block decoding makes three).
-    stale = generate(model, prompts, sampler="asynclane", gen_length=96, tokenizer=tokenizer,
-                     **{**FORKING, "refresh_at_fork": False}).stats
-    assert np.all(stale.forks >= 1)
-    assert np.all(stale.refreshes == 1) and np.all(stale.row_nfe_full == 1)
     # The text is the model's: most answers right.
     assert sum(evaluate.check(p, row) for p, row in zip(problems, res.tokens)) >= 3
     # The lane tree comes with the statistics.
@@ -131,7 +121,7 @@ def test_defaults_on_the_shipped_model(shipped_llada):
     st_ = res.stats
     # The defaults fork at the answers' newlines, and no iteration commits nothing.
     assert np.all(st_.forks >= 1) and np.all(st_.idle_steps == 0)
-    # No full forward at a fork (fork_when_fresh): one to start, and one once the window
+    # No full forward at a fork: one to start, and one once the window
     # has travelled a block (refresh_travel=32), which only the 50-token answers do.
     longer = np.asarray(st_.generated_tokens) >= 32
     assert longer.any() and not longer.all()
@@ -145,34 +135,6 @@ def test_defaults_on_the_shipped_model(shipped_llada):
     assert np.all(st_.row_steps <= off.row_steps) and st_.row_steps.sum() < off.row_steps.sum()
 
 
-def test_the_horizon_hides_the_tail_until_the_window_nears_it(shipped_llada):
-    model, tokenizer, cfg, _, prompts = shipped_llada
-    # gen 256 with horizon 96: the first call is a cached call over the prompt and the
-    # first 128 positions; answers end well inside them, so no full forward over the
-    # canvas is made, and the text is what a 128-position canvas gives. A refresh when
-    # the window moves to its second block re-encodes only those columns.
-    for refresh in (False, True):
-        long = generate(model, prompts, sampler="asynclane", gen_length=256,
-                        tokenizer=tokenizer, refresh_at_advance=refresh, **HORIZON)
-        short = generate(model, prompts, sampler="asynclane", gen_length=128,
-                         tokenizer=tokenizer, refresh_at_advance=refresh, **HORIZON)
-        check_invariants(long, cfg, cascade=True)
-        np.testing.assert_array_equal(long.tokens[:, :128], short.tokens)
-        np.testing.assert_array_equal(long.stats.row_nfe_full + 1, short.stats.row_nfe_full)
-        # Every call of the long canvas covered only the visible columns: as many
-        # positions went through the model as for the 128-position canvas.
-        assert long.stats.tokens_processed == short.stats.tokens_processed
-    assert np.all(long.stats.row_nfe_full == (np.asarray(long.stats.generated_tokens) >= 32))
-    # A small horizon (40 positions visible): an answer that runs past the first window
-    # brings the window near it, and one full forward shows the whole canvas.
-    near = generate(model, prompts, sampler="asynclane", gen_length=256, tokenizer=tokenizer,
-                    **{**HORIZON, "horizon": 8})
-    check_invariants(near, cfg, cascade=True)
-    past = np.asarray(near.stats.generated_tokens) >= 32
-    assert past.any() and not past.all()
-    np.testing.assert_array_equal(near.stats.row_nfe_full, past.astype(int))
-
-
 def test_dream_shipped_model_invariants():
     model, tokenizer, cfg = asynclane_jax.load("tiny-dream")
     prompts = evaluate.prompts_for(tasks.split("heldout", 4), tokenizer)
@@ -182,15 +144,12 @@ def test_dream_shipped_model_invariants():
     assert np.all(res.stats.forks >= 1)
 
 
-@pytest.mark.parametrize("opts", [
-    dict(gen_length=64, refresh_every=3, **FORKING),
-    # A small horizon: rows whose answer runs past the first window take a full
-    # forward at different iterations while the others wait.
-    dict(gen_length=160, **{**HORIZON, "horizon": 8}),
-], ids=["forking", "horizon"])
-def test_batch_rows_equal_single_runs_and_one_compilation(shipped_llada, opts):
+def test_batch_rows_equal_single_runs_and_one_compilation(shipped_llada):
+    # Forking rows take their full forwards (refresh_travel=16) at different iterations
+    # while the others wait.
     model, tokenizer, _, _, prompts = shipped_llada
-    opts = dict(sampler="asynclane", tokenizer=tokenizer, bucket=64, **opts)
+    opts = dict(sampler="asynclane", tokenizer=tokenizer, bucket=64, gen_length=64,
+                refresh_travel=16, **FORKING)
     batch = generate(model, prompts[:4], **opts)
     traces = driver.TRACE_COUNT["decode"]
     singles = [generate(model, [p], **opts) for p in prompts]
@@ -207,7 +166,7 @@ def test_batch_rows_equal_single_runs_and_one_compilation(shipped_llada, opts):
 
 def test_bad_settings_are_refused(tiny_llada_model):
     for opts in ({"draft_threshold": 0.0}, {"max_lanes": 0}, {"max_lanes": 4, "extra_queries": 0},
-                 {"cache": "prefix"}, {"delimiters": "a,b"}, {"stable_fraction": 2.0}):
+                 {"delimiters": "a,b"}, {"stable_fraction": 2.0}, {"refresh_travel": -1}):
         with pytest.raises(SamplerError):
             generate(tiny_llada_model, [[1, 2]], sampler="asynclane", gen_length=8, **opts)
     with pytest.raises(SamplerError, match="tokenizer"):
@@ -221,17 +180,15 @@ def test_bad_settings_are_refused(tiny_llada_model):
 settings_strategy = st.fixed_dictionaries({
     "block_length": st.sampled_from([4, 8]),
     "threshold": st.sampled_from([0.5, 0.9]),
-    "relaxed_threshold": st.sampled_from([0.3, 0.9]),
     "lookahead": st.sampled_from([0, 3]),
     "max_lanes": st.sampled_from([1, 3, 6]),
     "refine_window": st.sampled_from([0, 2, 8]),
     "stable_fraction": st.sampled_from([0.0, 0.75]),
     "refine_budget": st.sampled_from([0, 2]),
     "extra_queries": st.sampled_from([1, 5]),
-    "refresh_every": st.sampled_from([0, 3]),
+    "refresh_travel": st.sampled_from([0, 8]),
     "renew": st.sampled_from([0, 8]),
     "cascade": st.booleans(),
-    "cache": st.sampled_from(["dual", "none"]),
 })
 
 

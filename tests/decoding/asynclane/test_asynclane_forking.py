@@ -3,8 +3,8 @@
 - A constructed case (hand-made logits, the schedule driven by hand): every block has
   one position the model is unsure of before a delimiter. With forking, a continuation
   lane commits while a refine lane is alive (overlap), the row takes fewer iterations
-  than with forking off, and with the default progress rule no iteration commits
-  nothing (the old `wait` rule stalls on the same case).
+  than with forking off, no iteration commits nothing (the refine lanes' best is
+  forced while one is open), and no refine lane reads its prefix through stale K/V.
 - Hypothesis properties over random tiny models with forking on (ASYNCLANE.md, "What
   must hold"): no mask left, the end-of-text tail, lane spans tiling the region, a
   valid lane tree, one compiled program for all examples of a shape, and batch rows
@@ -17,7 +17,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_samplers import make_model, make_prompts
@@ -27,8 +26,6 @@ from asynclane_jax.decoding import driver, generate
 from asynclane_jax.decoding.asynclane import AsyncLaneSchedule
 from asynclane_jax.decoding.lanes import DONE, REFINE, TERMINATED
 from asynclane_jax.decoding.schedule import CallOutput, Context
-
-DEFAULT_PROGRESS = AsyncLaneSchedule(gen_length=8).progress
 
 # ------------------------------------------------------------ hand-made logits
 
@@ -97,7 +94,7 @@ def test_the_default_lane_slots_fork_at_every_line_of_a_long_answer():
     # the row forks at each of its 31 delimiters before the tail; 16 slots fork 15 times
     # and leave the later lines to one lane, in more iterations, with the same text.
     table = unsure_lines_table(256, 8)
-    case = {**FRESH, "gen_length": 256}
+    case = {**CASE, "gen_length": 256}
     default = AsyncLaneSchedule(**case)
     assert default.lane_slots == 32
     assert AsyncLaneSchedule(**{**case, "gen_length": 64}).lane_slots == 16  # the floor
@@ -132,23 +129,17 @@ def overlap_steps(step, lanes) -> set[int]:
     return out
 
 
-# The fork rule these cases were made for: a full forward right after each fork (not
-# the default, which forks when the next call can re-encode the prefix).
-CASE = dict(gen_length=64, block_length=8, horizon=0, cascade=True, delimiters=str(NL),
-            extra_queries=4, relaxed_threshold=0.9, refresh_at_fork=True,
-            fork_when_fresh=False, refresh_travel=0)
-# The defaults' fork rule (fork_when_fresh, refresh_travel) on the same case; a line's
-# prefix (8 positions, committed in one call) fits the 8 query slots, so it forks at once.
-FRESH = {**CASE, "refresh_at_fork": False, "fork_when_fresh": True, "refresh_travel": 8,
-         "extra_queries": 8}
+# Lines of 8 positions, a refresh once the window has travelled a line; a line's prefix
+# (committed in one call) fits the 8 extra query slots, so it forks at once.
+CASE = dict(gen_length=64, block_length=8, cascade=True, delimiters=str(NL),
+            extra_queries=8, refresh_travel=8)
 
 
-@pytest.mark.parametrize("case", [CASE, FRESH], ids=["refresh-at-fork", "fork-when-fresh"])
-def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations(case):
+def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations():
     table = unsure_lines_table(64, 8)
     off_tokens, off_step, off_iters, off_state = drive(
-        AsyncLaneSchedule(max_lanes=1, **case), table)
-    tokens, step, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **case), table)
+        AsyncLaneSchedule(max_lanes=1, **CASE), table)
+    tokens, step, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **CASE), table)
     # The same text: the model's prediction at every position.
     want = np.argmax(table, axis=-1)
     np.testing.assert_array_equal(off_tokens, want)
@@ -173,73 +164,44 @@ def test_forking_overlaps_refinement_with_advancement_and_takes_fewer_iterations
     assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
 
 
-def test_refresh_requery_or_fresh_fork_re_encodes_the_prefix_a_fork_leaves_behind():
-    # One extra query slot: it goes to the refine lane's unsure mask, so without a
-    # refresh the prefix's committed positions keep the K/V computed from the mask.
+def test_a_fork_waits_until_the_next_call_can_re_encode_its_prefix():
+    # One extra query slot and no refresh by travel: a prefix forks only once its
+    # masks and its committed positions with stale K/V fit that one slot, so no refine
+    # lane reads a committed position of its line through K/V computed from the mask,
+    # and no full forward is spent at a fork.
     table = unsure_lines_table(64, 8)
-    case = {**CASE, "extra_queries": 1}
+    case = {**CASE, "extra_queries": 1, "refresh_travel": 0}
     j = np.arange(64)
-
-    def run(**kw):
-        calls = []
-        tokens, _, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **{**case, **kw}),
-                                        table, calls)
-        stale, after_fork = 0, []
-        for t, (full, lanes, gen) in enumerate(calls):
-            if t and int(lanes.forks[0]) > int(calls[t - 1][1].forks[0]):
-                after_fork.append(full)  # the call right after a fork
-            refine = np.zeros(64, bool)
-            for k, lo, hi in zip(*(np.asarray(x[0])
-                                   for x in (lanes.kind, lanes.start, lanes.end))):
-                refine |= (k == REFINE) & (j >= lo) & (j < hi)
-            # Committed positions of a refine lane whose K/V came from the mask and that
-            # the call did not re-encode (still not fresh after it; a committed token
-            # never changes, and a full forward re-encodes everything).
-            after = (calls[t + 1][1] if t + 1 < len(calls) else state).fresh[0]
-            stale += int(np.sum(refine & (gen != MASK) & ~np.asarray(lanes.fresh[0])
-                                & ~np.asarray(after)))
-        return tokens, iters, state, stale, after_fork
-
-    want = np.argmax(table, axis=-1)
-    tokens, iters, state, stale_off, after_off = run(refresh_at_fork=False)
-    assert int(state.forks[0]) >= 6 and not any(after_off)
-    tokens_r, iters_r, state_r, stale_on, after_on = run(refresh_at_fork=True)
-    np.testing.assert_array_equal(tokens, want)
-    np.testing.assert_array_equal(tokens_r, want)
-    assert len(after_on) >= 6 and all(after_on)  # every fork is followed by a full forward
-    assert int(state_r.refreshes[0]) >= len(after_on)
-    assert iters_r == iters  # the refresh's logits decode its step: no extra iteration
-    assert stale_off >= 6 and stale_on == 0, (stale_off, stale_on)
-    # requery_at_fork instead: no full forward; the call after a fork queries the window
-    # forked from, a cached call that re-encodes the prefix.
-    tokens_q, _, state_q, stale_q, after_q = run(refresh_at_fork=False, requery_at_fork=True)
-    np.testing.assert_array_equal(tokens_q, want)
-    assert len(after_q) >= 6 and not any(after_q)
-    assert int(state_q.refreshes[0]) == int(state.refreshes[0])  # no refresh added
-    assert stale_q < stale_off, (stale_q, stale_off)
-    # fork_when_fresh instead: a prefix forks only once its committed positions are
-    # re-encoded (by the window's own queries), so no refine lane reads stale K/V and
-    # no full forward is added; the forks come later, not fewer.
-    tokens_f, _, state_f, stale_f, after_f = run(refresh_at_fork=False, fork_when_fresh=True)
-    np.testing.assert_array_equal(tokens_f, want)
-    assert len(after_f) >= 6 and not any(after_f)
-    assert int(state_f.refreshes[0]) == int(state.refreshes[0])
-    assert stale_f == 0, stale_f
+    calls = []
+    tokens, _, _, state = drive(AsyncLaneSchedule(max_lanes=16, **case), table, calls)
+    stale, after_fork = 0, []
+    for t, (full, lanes, gen) in enumerate(calls):
+        if t and int(lanes.forks[0]) > int(calls[t - 1][1].forks[0]):
+            after_fork.append(full)  # the call right after a fork
+        refine = np.zeros(64, bool)
+        for k, lo, hi in zip(*(np.asarray(x[0]) for x in (lanes.kind, lanes.start, lanes.end))):
+            refine |= (k == REFINE) & (j >= lo) & (j < hi)
+        # Committed positions of a refine lane whose K/V came from the mask and that the
+        # call did not re-encode (still not fresh after it; a committed token never
+        # changes, and a full forward re-encodes everything).
+        after = (calls[t + 1][1] if t + 1 < len(calls) else state).fresh[0]
+        stale += int(np.sum(refine & (gen != MASK) & ~np.asarray(lanes.fresh[0])
+                            & ~np.asarray(after)))
+    np.testing.assert_array_equal(tokens, np.argmax(table, axis=-1))
+    assert int(state.forks[0]) >= 6 and len(after_fork) >= 6
+    assert not any(after_fork)  # the call after a fork is a cached call
+    assert stale == 0, stale
 
 
-def test_the_old_wait_rule_idles_where_the_default_does_not():
+def test_the_refine_lane_goes_first_and_no_iteration_commits_nothing():
     # The first line's position 1 is unsure, and so is the whole next line, which (as
-    # in a chain of computations) cannot be sure before the first is finished.
+    # in a chain of computations) cannot be sure before the first is finished. While
+    # the refine lane holds its mask, its best is forced before the window's.
     table = unsure_lines_table(64, 8, unsure=[1, *range(4, 12)])
-    _, step, iters, state = drive(AsyncLaneSchedule(max_lanes=16, progress="wait", **CASE),
-                                  table)
-    # `wait`: the refine lane waits out its budget while the window commits nothing.
-    assert int(state.idle[0]) == 3  # iterations 1, 2, 3; the budget (4) forces at 4
-    assert len(set(step.tolist())) == iters - 3
-    assert step[1] == 4
-    _, step, new_iters, new_state = drive(AsyncLaneSchedule(max_lanes=16, **CASE), table)
-    assert int(new_state.idle[0]) == 0 and new_iters < iters
-    assert len(set(step.tolist())) == new_iters
+    _, step, iters, state = drive(AsyncLaneSchedule(max_lanes=16, **CASE), table)
+    assert int(state.forks[0]) >= 1
+    assert int(state.idle[0]) == 0
+    assert len(set(step.tolist())) == iters  # every iteration committed something
     assert step[1] == 1  # the refine lane goes first
 
 
@@ -263,7 +225,7 @@ def test_an_end_of_text_cuts_the_lanes_while_forking():
 # sharpness), the prompts and the cascade only through arrays: one program per
 # (family, batch shape).
 FORK_SETTINGS = dict(gen_length=24, block_length=8, max_lanes=5, extra_queries=4,
-                     refine_window=4, refine_budget=2, lookahead=2, horizon=8)
+                     refine_window=4, refine_budget=2, lookahead=2)
 PROGRAMS_SEEN: set = set()
 
 
@@ -292,8 +254,8 @@ def test_invariants_with_forking_on_for_random_models(family, seed, lm_scale, pr
     assert traced <= len(new), (traced, new)
     PROGRAMS_SEEN.update(new)
     check_invariants(batch, cfg, cascade=True)
-    if DEFAULT_PROGRESS != "wait":  # the progress rule: no iteration commits nothing
-        assert np.all(batch.stats.idle_steps == 0), batch.stats.idle_steps
+    # The forced commit while refining: no iteration commits nothing.
+    assert np.all(batch.stats.idle_steps == 0), batch.stats.idle_steps
     for i, s in enumerate(singles):
         check_invariants(s, cfg, cascade=True)
         np.testing.assert_array_equal(batch.tokens[i], s.tokens[0])
@@ -307,7 +269,7 @@ def test_invariants_with_forking_on_for_random_models(family, seed, lm_scale, pr
 def test_the_random_models_do_fork():
     # The property above is about forking: on these settings the lanes fork, and a refine
     # lane lives on after its fork.
-    model = make_model("llada", lm_scale=30.0, seed=0)
+    model = make_model("llada", lm_scale=30.0, seed=1)
     cfg = model.cfg
     res = generate(model, make_prompts(cfg.vocab_size, lengths=(4, 7, 11), seed=2),
                    sampler="asynclane", delimiters=delimiters_for(cfg), bucket=16,

@@ -45,17 +45,14 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
     b, M = kind.shape
     row = jnp.zeros((b,), jnp.int32)
     slot = jnp.full((b, M), -1, jnp.int32)
-    base = dict(win=row, qwin=row, gen_slot=row, kind=kind, start=jnp.asarray(start, jnp.int32),
+    base = dict(win=row, gen_slot=row, kind=kind, start=jnp.asarray(start, jnp.int32),
                 end=jnp.asarray(end, jnp.int32), parent=slot, birth=slot, death=slot,
                 split=slot, fresh=jnp.zeros((b, G), bool), draft=jnp.full((b, G), -1, jnp.int32),
-                eos=row + G, visible=row + G, extend=jnp.zeros((b,), bool),
-                need_full=jnp.zeros((b,), bool), need_renew=jnp.zeros((b,), bool),
-                since_full=row, full_win=row, renew_win=row, steps=row, forks=row,
+                eos=row + G, need_full=jnp.zeros((b,), bool), need_renew=jnp.zeros((b,), bool),
+                full_win=row, renew_win=row, steps=row, forks=row,
                 peak=row + 1, refreshes=row, renewals=row, cuts=row, idle=row)
     for k, v in fields.items():
         base[k] = jnp.broadcast_to(jnp.asarray(v, base[k].dtype), base[k].shape)
-    if "win" in fields and "qwin" not in fields:  # the window queries where it is
-        base["qwin"] = base["win"]
     return LaneState(**base)
 
 
@@ -117,36 +114,32 @@ def test_scatter_predictions():
 
 
 # -- commit --------------------------------------------------------------------------------
-COMMIT = dict(block_length=4, threshold=0.9, relaxed_threshold=0.75, radius=1, lookahead=0,
-              draft_threshold=0.7, refine_budget=4, progress="wait")
+COMMIT = dict(block_length=4, threshold=0.9, lookahead=0, draft_threshold=0.7,
+              refine_budget=4)
 PRED = arr(np.arange(8) + 20)  # position j predicts token 20 + j (tokens are opaque here)
 ALL = jnp.ones((1, 8), bool)
 
 
-def test_commit_window_threshold_and_anchors():
+def test_commit_window_threshold():
     ctx = context(8)
     gen = arr([[X] * 8])
     st = make_lanes([[GENERATE, FREE]], [[0, 0]], [[4, 0]], G=8)
-    pconf = arr([[0.95, 0.5, 0.8, 0.3, 0.99, 0.99, 0.99, 0.99]], jnp.float32)
+    pconf = arr([[0.95, 0.5, 0.89, 0.3, 0.99, 0.99, 0.99, 0.99]], jnp.float32)
     front = arr([8])
-    # 0 is an anchor; 1 is next to it but below 0.75; 2 reaches 0.75 but is 2 away;
-    # 4..7 are sure but outside the window [0, 4).
+    # 0 is sure; 2 is just under the threshold; 4..7 are sure but outside the window
+    # [0, 4).
     new, out = commit_phase(ctx, gen, PRED, pconf, ALL, st, front, **COMMIT)
     eq(new, [[20, X, X, X, X, X, X, X]])
     eq(out.draft, st.draft)  # no lookahead: no drafts
-    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st, front, **{**COMMIT, "radius": 2})
-    eq(new, [[20, X, 22, X, X, X, X, X]])
-    # relaxed_threshold equal to threshold: no relaxation at all.
-    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st, front,
-                          **{**COMMIT, "radius": 2, "relaxed_threshold": 0.9})
-    eq(new, [[20, X, X, X, X, X, X, X]])
+    new, _ = commit_phase(ctx, gen, PRED, pconf.at[0, 2].set(0.92), ALL, st, front, **COMMIT)
+    eq(new, [[20, X, 22, X, X, X, X, X]])  # over the threshold: committed
     # The tail (frontier 1) is never a candidate, however sure the prediction.
     new, _ = commit_phase(ctx, gen, PRED, arr([[0.5, 0.99] + [0.99] * 6], jnp.float32), ALL,
                           st, arr([1]), **COMMIT)
     eq(new, [[20, X, X, X, X, X, X, X]])  # only position 0, forced as the best
 
 
-def test_commit_forces_the_best_unless_a_refine_lane_is_open():
+def test_commit_forces_the_window_best_unless_a_refine_lane_is_open():
     ctx = context(8)
     pconf = arr([[0.5, 0.5, 0.5, 0.6, 0.4, 0.5, 0.99, 0.5]], jnp.float32)
     # One generate lane, nothing sure: the most confident window position (3) commits.
@@ -157,54 +150,45 @@ def test_commit_forces_the_best_unless_a_refine_lane_is_open():
     has = ALL.at[0, 3].set(False)
     new, _ = commit_phase(ctx, arr([[X] * 8]), PRED, pconf, has, st, arr([8]), **COMMIT)
     eq(new, [[20, X, X, X, X, X, X, X]])  # ties go to the first
-    # A refine lane [0, 2) still holding a mask (1), forked at step 0; window [2, 6).
-    gen = arr([[30, X, X, X, X, X, X, X]])
-    st = make_lanes([[REFINE, GENERATE]], [[0, 2]], [[2, 6]], G=8, win=2, gen_slot=1,
-                    split=[[0, -1]], steps=3)
-    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st, arr([8]), **COMMIT)
-    eq(new, gen)  # within its budget the lane waits; the window forces nothing
-    # Past the budget (step 4 - split 0 >= 4) the lane commits its best; the window
-    # still forces nothing while the lane was open at the start of the iteration.
-    st = st.replace(steps=arr([4]))
-    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st, arr([8]), **COMMIT)
-    eq(new, [[30, 21, X, X, X, X, X, X]])
-    # A sure position in the window commits whatever the lanes do.
-    new, _ = commit_phase(ctx, gen, PRED, pconf.at[0, 4].set(0.95), ALL, st.replace(
-        steps=arr([3])), arr([8]), **COMMIT)
-    eq(new, [[30, X, X, X, 24, X, X, X]])
-
-
-def test_commit_progress_rules_while_refining():
-    ctx = context(8)
     # A refine lane [0, 2) holding a mask at 1 (pconf 0.5), forked at step 0, within its
-    # budget; the window [2, 6) has nothing sure, its best is 3 (0.6). Nothing passes a
-    # threshold: `wait` commits nothing (above).
+    # budget; the window [2, 6) has nothing sure, its best is 3 (0.6). The refine lane
+    # goes first: its best (1), not the window's more confident 3.
     gen = arr([[30, X, X, X, X, X, X, X]])
     st = make_lanes([[REFINE, GENERATE]], [[0, 2]], [[2, 6]], G=8, win=2, gen_slot=1,
                     split=[[0, -1]], steps=3)
-    pconf = arr([[0.5, 0.5, 0.5, 0.6, 0.4, 0.5, 0.99, 0.5]], jnp.float32)
 
-    def run(rule, pc=pconf, has=ALL, lanes=st):
-        return commit_phase(ctx, gen, PRED, pc, has, lanes, arr([8]),
-                            **{**COMMIT, "progress": rule})[0]
+    def run(pc=pconf, has=ALL, g=gen):
+        return commit_phase(ctx, g, PRED, pc, has, st, arr([8]), **COMMIT)[0]
 
-    eq(run("wait"), gen)
-    # The refine lane first: its best (1), not the window's more confident 3.
-    eq(run("refine-first"), [[30, 21, X, X, X, X, X, X]])
-    # best: the most confident of both together (3 at 0.6 over 1 at 0.5).
-    eq(run("best"), [[30, X, X, 23, X, X, X, X]])
-    # A refine mask the call did not predict: refine-first falls back on the window.
-    eq(run("refine-first", has=ALL.at[0, 1].set(False)), [[30, X, X, 23, X, X, X, X]])
-    # A sure window position commits; refine-first still resolves the refine lane too.
-    sure = pconf.at[0, 4].set(0.95)
-    eq(run("refine-first", sure), [[30, 21, X, X, 24, X, X, X]])
-    eq(run("best", sure), [[30, X, X, X, 24, X, X, X]])  # 4 is the best of both
-    # No refine lane holding a mask: every rule is block decoding (the window's best).
-    done = gen.at[0, 1].set(31)
-    for rule in ("wait", "refine-first", "best"):
-        got = commit_phase(ctx, done, PRED, pconf, ALL, st, arr([8]),
-                           **{**COMMIT, "progress": rule})[0]
-        eq(got, [[30, 31, X, 23, X, X, X, X]])
+    eq(run(), [[30, 21, X, X, X, X, X, X]])
+    # A refine mask the call did not predict: the window's best is forced instead.
+    eq(run(has=ALL.at[0, 1].set(False)), [[30, X, X, 23, X, X, X, X]])
+    # A sure window position commits; the refine lane's best is still forced.
+    eq(run(pconf.at[0, 4].set(0.95)), [[30, 21, X, X, 24, X, X, X]])
+    # No refine lane holding a mask: block decoding (the window's best).
+    eq(run(g=gen.at[0, 1].set(31)), [[30, 31, X, 23, X, X, X, X]])
+
+
+def test_commit_refine_budget_forces_each_overdue_lane():
+    ctx = context(8)
+    # Two refine lanes, [0, 2) with a mask at 1 (0.5) forked at step 0 and [2, 4) with a
+    # mask at 3 (0.6) forked at step 1; the window [4, 8) has nothing sure.
+    gen = arr([[30, X, 32, X, X, X, X, X]])
+    st = make_lanes([[REFINE, REFINE, GENERATE]], [[0, 2, 4]], [[2, 4, 8]], G=8, win=4,
+                    gen_slot=2, split=[[0, 1, -1]], steps=3)
+    pconf = arr([[0.5, 0.5, 0.5, 0.6, 0.4, 0.45, 0.3, 0.2]], jnp.float32)
+    # Within both budgets only the one forced commit: the refine lanes' best (3).
+    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st, arr([8]), **COMMIT)
+    eq(new, [[30, X, 32, 23, X, X, X, X]])
+    # At step 4 the first lane is 4 iterations old: it also commits its own best (1).
+    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st.replace(steps=arr([4])), arr([8]),
+                          **COMMIT)
+    eq(new, [[30, 21, 32, 23, X, X, X, X]])
+    # A sure refine position commits by the threshold, within the budget too; it is
+    # then the refine lanes' best, so nothing else is forced.
+    new, _ = commit_phase(ctx, gen, PRED, pconf.at[0, 1].set(0.95), ALL, st, arr([8]),
+                          **COMMIT)
+    eq(new, [[30, 21, 32, X, X, X, X, X]])
 
 
 def test_commit_lookahead_drafts_and_draft_reuse():
@@ -215,7 +199,7 @@ def test_commit_lookahead_drafts_and_draft_reuse():
     st = make_lanes([[GENERATE]], [[0]], [[4]], G=8,
                     draft=[[-1, 21, 99, -1, -1, -1, -1, -1]])
     pconf = arr([[0.95, 0.75, 0.75, 0.1, 0.5, 0.5, 0.5, 0.5]], jnp.float32)
-    opts = {**COMMIT, "lookahead": 2, "relaxed_threshold": 0.9}
+    opts = {**COMMIT, "lookahead": 2}
     new, out = commit_phase(ctx, gen, PRED, pconf, ALL.at[0, 5].set(False), st, arr([8]),
                             **opts)
     eq(new, [[20, 21, X, X, X, X, X, X]])  # the lookahead itself never commits
@@ -289,7 +273,10 @@ def test_retire_finishes_refine_lanes_without_masks():
 
 
 # -- fork ----------------------------------------------------------------------------------
-FORK = dict(block_length=8, refine_window=2, stable_fraction=0.5, delimiter_ids=(NL,))
+# Every column fresh and slots to spare: the rule on stale positions does not bind (it
+# is tested in test_fork_rule_boundaries_are_inclusive).
+FORK = dict(block_length=8, refine_window=2, stable_fraction=0.5, delimiter_ids=(NL,),
+            fresh=jnp.ones((1, 12), bool), query_slots=12)
 
 
 def fork_lanes(M=3, **fields):
@@ -485,8 +472,7 @@ def test_advance_counts_the_peak_of_live_lanes():
 
 
 # -- refresh -------------------------------------------------------------------------------
-REFRESH = dict(block_length=4, refresh_every=0, refresh_at_advance=False, horizon=8,
-               tail_hidden=False)
+REFRESH = dict(refresh_travel=0)
 
 
 def call(targets, *, full=False, serve=(True,)):
@@ -519,45 +505,33 @@ def test_refresh_decides_the_next_full_forward():
     ctx = context(6)
     gen = arr([[X] * 6])
     yes, no = jnp.asarray([True]), jnp.asarray([False])
-    st = make_lanes([[GENERATE]], [[0]], [[4]], G=6, since_full=2, refreshes=1)
+    st = make_lanes([[GENERATE]], [[0]], [[4]], G=6, refreshes=1)
     out = refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, **REFRESH)
-    eq(out.since_full, [3])
     eq(out.need_full, [False])
-    out = refresh_phase(ctx, gen, gen, st, call([[2]]), no, no,
-                        **{**REFRESH, "refresh_every": 3})
-    eq(out.need_full, [True])  # the third call since the last full forward
-    # A served full forward resets the count and counts a refresh.
-    out = refresh_phase(ctx, gen, gen, st, call([[2]], full=True), no, no,
-                        **{**REFRESH, "refresh_every": 3})
-    eq(out.since_full, [0])
+    eq(out.refreshes, [1])
+    # A served full forward counts a refresh.
+    out = refresh_phase(ctx, gen, gen, st, call([[2]], full=True), no, no, **REFRESH)
     eq(out.refreshes, [2])
     eq(out.need_full, [False])
-    # refresh_at_advance: a window that moved on to a new block, unless the lane ended.
-    kw = {**REFRESH, "refresh_at_advance": True}
-    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), yes, no, **kw).need_full, [True])
-    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), yes, yes, **kw).need_full, [False])
-    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), yes, no, **REFRESH).need_full, [False])
+    # A window that moved on to a new block, unless the lane ended there.
+    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), yes, no, **REFRESH).need_full, [True])
+    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), yes, yes, **REFRESH).need_full, [False])
     # A row the call did not serve keeps its flag and its count.
     unserved = call([[2]], serve=(False,))
-    out = refresh_phase(ctx, gen, gen, st, unserved, yes, no, **kw)
+    out = refresh_phase(ctx, gen, gen, st, unserved, yes, no, **REFRESH)
     eq(out.need_full, [False])
-    eq(out.since_full, [2])
     eq(out.refreshes, [1])
-    # refresh_at_fork: a row that forked (its window jumped past the prefix it left
-    # behind) gets a full forward next, with the setting on and only then.
-    kw = {**REFRESH, "refresh_at_fork": True}
-    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=yes, **kw).need_full, [True])
-    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=no, **kw).need_full, [False])
-    eq(refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, fork=yes,
-                     **REFRESH).need_full, [False])
-    eq(refresh_phase(ctx, gen, gen, st, unserved, no, no, fork=yes, **kw).need_full, [False])
+    eq(refresh_phase(ctx, gen, gen, st.replace(need_full=yes), unserved, no, no,
+                     **REFRESH).need_full, [True])
     # refresh_travel: the window moved (here by forks: no advance) that far since the
     # last full forward, whose window start full_win records.
     kw = {**REFRESH, "refresh_travel": 4}
     moved = st.replace(win=arr([5]), full_win=arr([1]))
-    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, fork=yes, **kw).need_full, [True])
+    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, **kw).need_full, [True])
     eq(refresh_phase(ctx, gen, gen, moved.replace(full_win=arr([2])), call([[2]]), no, no,
-                     fork=yes, **kw).need_full, [False])  # 3 positions only
+                     **kw).need_full, [False])  # 3 positions only
+    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, yes, **kw).need_full,
+       [False])  # the generate lane is done: nothing left to renew the cache for
     eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, **REFRESH).need_full, [False])
     out = refresh_phase(ctx, gen, gen, moved, call([[2]], full=True), no, no, **kw)
     eq(out.full_win, [5])  # a full forward renews it: no refresh due
@@ -570,7 +544,7 @@ def test_renewals_take_the_refreshes_that_follow_the_window():
     yes, no = jnp.asarray([True]), jnp.asarray([False])
     st = make_lanes([[GENERATE]], [[0]], [[4]], G=6, refreshes=1)
     # With renew, an advance or travel makes the next call a renewal, not a full forward.
-    kw = {**REFRESH, "refresh_at_advance": True, "renew": 8}
+    kw = {**REFRESH, "renew": 8}
     out = refresh_phase(ctx, gen, gen, st, call([[2]]), yes, no, **kw)
     eq(out.need_renew, [True])
     eq(out.need_full, [False])
@@ -600,30 +574,3 @@ def test_renewals_take_the_refreshes_that_follow_the_window():
                         **kw)
     eq(out.need_full, [True])
     eq(out.need_renew, [False])
-
-
-def test_refresh_extends_the_view_near_the_horizon():
-    ctx = context(32)
-    gen = arr([[X] * 32])
-    no = jnp.asarray([False])
-    kw = {**REFRESH, "tail_hidden": True}  # B 4, horizon 8: near when win + 8 > visible
-    st = make_lanes([[GENERATE]], [[0]], [[4]], G=32, win=4, visible=12)
-    out = refresh_phase(ctx, gen, gen, st, call([[2]]), no, no, **kw)
-    eq(out.extend, [False])
-    eq(out.need_full, [False])
-    out = refresh_phase(ctx, gen, gen, st.replace(win=arr([5])), call([[2]]), no, no, **kw)
-    eq(out.extend, [True])  # 5 + 8 > 12: the next call is a full forward over everything
-    eq(out.need_full, [True])
-    eq(out.visible, [12])
-    out = refresh_phase(ctx, gen, gen, st.replace(win=arr([5])), call([[2]]), no, no, **REFRESH)
-    eq(out.extend, [False])  # no horizon in use: nothing to extend
-    # Not when the lane is done; and the full forward that serves an extended row shows
-    # the whole canvas from then on.
-    out = refresh_phase(ctx, gen, gen, st.replace(win=arr([5])), call([[2]]), no,
-                        jnp.asarray([True]), **kw)
-    eq(out.extend, [False])
-    out = refresh_phase(ctx, gen, gen, st.replace(win=arr([5]), extend=jnp.asarray([True])),
-                        call([[2]], full=True), no, no, **kw)
-    eq(out.visible, [32])
-    eq(out.extend, [False])
-    eq(out.need_full, [False])
