@@ -61,6 +61,8 @@ def project_file(path: pathlib.Path, chips) -> dict:
     project.add_projections(rows, chips, cfg)
     compare.add_speedups(rows)  # the CPU's own comparison
     per_chip = {}
+    for row in rows:
+        row["by_kind"] = by_kind(row, chips, cfg)
     for chip, weights in chips:
         label = project.label(chip, weights)
         copies = [dict(copy.deepcopy(r), tps=r["projected"][label], tps_family={})
@@ -70,6 +72,26 @@ def project_file(path: pathlib.Path, chips) -> dict:
     return {"file": _rel(path),
             "meta": data["meta"], "rows": rows, "vs_c": per_chip,
             "project_model": project.DEFAULT_PROJECT_MODELS[family]}
+
+
+def by_kind(row: dict, chips, cfg) -> dict:
+    """{chip label: {"full"|"cached": [calls, rows served, projected seconds]}}: where a
+    row's projected time goes, full forwards against cached calls."""
+    from asynclane_jax.costs import roofline
+
+    out = {}
+    for chip, weights in chips:
+        if chip == "cpu":
+            continue
+        split = {}
+        for c in row["calls"]:
+            counts = project.row_counts({"calls": [c]})
+            seconds = roofline.decode_time(chip, cfg, counts, weights=weights)
+            calls, served, total = split.get(c["kind"], (0, 0, 0.0))
+            split[c["kind"]] = [calls + int(c["calls"]), served + int(c["row_calls"]),
+                                total + seconds]
+        out[project.label(chip, weights)] = split
+    return out
 
 
 def _x(v) -> str:
@@ -112,6 +134,21 @@ def markdown(results: list[dict], labels: list[str], command: str) -> str:
                 for lab in labels:
                     cells += [f"{r['projected'][lab]:.0f}", _x(res["vs_c"][lab][i])]
                 lines.append("| " + " | ".join(cells) + " |")
+            chip_labels = [lab for lab in labels if lab != "cpu"]
+            if meta["batch"] > 1 and chip_labels:
+                lab = "v6e" if "v6e" in chip_labels else chip_labels[0]
+                lines += ["", f"Where the projected {lab} time goes: calls made (rows they "
+                          "served), seconds.", "",
+                          "| sampler | full forwards | cached calls |", "|---|---|---|"]
+                for r in res["rows"]:
+                    if r["gen_length"] != g:
+                        continue
+                    split = r["by_kind"][lab]
+                    cells = []
+                    for kind in ("full", "cached"):
+                        calls, served, sec = split.get(kind, (0, 0, 0.0))
+                        cells.append(f"{calls} ({served}), {sec:.1f} s")
+                    lines.append(f"| {r['sampler']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
