@@ -1,7 +1,8 @@
 """The serve tests' stand-ins: an engine without a model (`FakeEngine`, the Engine's
 interface) and a tokenizer of one token per character (`CharTokenizer`, for a server
-started in a subprocess without loading a model), and /metrics read back
-(`metric_samples`, `metric`)."""
+started in a subprocess without loading a model), the request bodies and the loopback
+test client the tests share (`body`, `chat_body`, `local_client`), and /metrics read
+back (`metric_samples`, `metric`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,26 @@ from asynclane_jax.serve.engine import EngineError, EngineStopped, QueueFull, Up
 MODEL = "tiny-llada"
 REPLY = "(1) 7 + 2 = 9 \n (2) 9 - 5 = 4 \n answer : 4"
 PROMPT = "x = 4 y = 7 (1) x = y + 2 (2) y = x - 5 print y"
+# The TestClient's address: a loopback name (its default "testserver" is not one of the
+# server's own names, so its requests would be refused with 403).
+LOCAL = "http://127.0.0.1"
+
+
+def body(**kw):
+    """A completions request for the test model and prompt."""
+    return {"model": MODEL, "prompt": PROMPT, **kw}
+
+
+def chat_body(**kw):
+    """A chat request for the test model and prompt."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **kw}
+
+
+def local_client(app, **kw):
+    """A starlette TestClient of `app` that reaches it by a loopback name."""
+    from starlette.testclient import TestClient
+
+    return TestClient(app, base_url=LOCAL, **kw)
 
 
 class CharTokenizer:

@@ -43,41 +43,18 @@ from serve_fakes import (  # noqa: E402
     CharTokenizer,
     FakeEngine,
     ServerThread,
+    body,
+    chat_body,
+    local_client,
     sse_events,
     wait_for,
 )
 
-import asynclane_jax  # noqa: E402
 from asynclane_jax.serve import cli, protocol  # noqa: E402
 from asynclane_jax.serve.app import create_app  # noqa: E402
 from asynclane_jax.serve.guard import Security, is_loopback, own_hosts  # noqa: E402
 
-LOCAL = "http://127.0.0.1"
 KEY = "sk-test-0123456789"
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return asynclane_jax.load(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tok(loaded):
-    return loaded[1]
-
-
-def body(**kw):
-    return {"model": MODEL, "prompt": PROMPT, **kw}
-
-
-def chat_body(**kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **kw}
-
-
-def local_client(app, **kw):
-    from starlette.testclient import TestClient
-
-    return TestClient(app, base_url=LOCAL, **kw)
 
 
 def assert_error(r, status, code=None):

@@ -32,11 +32,14 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from serve_fakes import (  # noqa: E402
+    LOCAL,
     MODEL,
     PROMPT,
     REPLY,
     FakeEngine,
     ServerThread,
+    body,
+    chat_body,
     metric,
     metric_samples,
     sse_events,
@@ -47,21 +50,6 @@ import asynclane_jax  # noqa: E402
 from asynclane_jax.serve import protocol  # noqa: E402
 from asynclane_jax.serve.app import create_app  # noqa: E402
 from asynclane_jax.serve.engine import QueueFull  # noqa: E402
-
-# The TestClient's address: a loopback name (its default "testserver" is not one of the
-# server's own names, so its requests would be refused with 403).
-LOCAL = "http://127.0.0.1"
-
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return asynclane_jax.load(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tok(loaded):
-    return loaded[1]
 
 
 def expected_text(tok, n=None):
@@ -81,14 +69,6 @@ def client(fake):
     with TestClient(create_app(fake), base_url=LOCAL) as c:
         yield c
     assert fake.stopped  # the lifespan shut the engine down
-
-
-def body(**kw):
-    return {"model": MODEL, "prompt": PROMPT, **kw}
-
-
-def chat_body(**kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **kw}
 
 
 def test_models_and_health(client, fake):

@@ -25,12 +25,14 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
 from serve_fakes import (  # noqa: E402
-    MODEL,
     PROMPT,
     REPLY,
     CharTokenizer,
     FakeEngine,
     ServerThread,
+    body,
+    chat_body,
+    local_client,
     metric,
     metric_samples,
     sse_events,
@@ -40,24 +42,9 @@ from serve_fakes import (  # noqa: E402
 from asynclane_jax.serve.app import create_app  # noqa: E402
 from asynclane_jax.serve.guard import Security  # noqa: E402
 
-LOCAL = "http://127.0.0.1"
 KEY = "sk-metrics-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-
-
-def body(**kw):
-    return {"model": MODEL, "prompt": PROMPT, **kw}
-
-
-def chat_body(**kw):
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], **kw}
-
-
-def local_client(app, **kw):
-    from starlette.testclient import TestClient
-
-    return TestClient(app, base_url=LOCAL, **kw)
 
 
 def scrape(client, **kw) -> dict:
