@@ -229,6 +229,21 @@ class ServerThread:
         assert not self.thread.is_alive()
 
 
+def process_serving(proc, url, log_path):
+    """A `wait_for` condition: the server process `proc` answers /health at `url` (its
+    death fails the test with its log)."""
+    import httpx
+
+    def up():
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    return up
+
+
 def wait_for(cond, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not cond():

@@ -46,6 +46,7 @@ from serve_fakes import (  # noqa: E402
     body,
     chat_body,
     local_client,
+    process_serving,
     sse_events,
     wait_for,
 )
@@ -449,14 +450,7 @@ def test_sigterm_tells_streams_and_plain_requests(tmp_path):
                                                  port=port)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:
-        def up():
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_for(up, timeout=120), log_path.read_text()
+        assert wait_for(process_serving(proc, url, log_path), timeout=120), log_path.read_text()
         results, started = {}, threading.Semaphore(0)
 
         def stream(i):

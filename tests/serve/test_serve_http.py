@@ -42,6 +42,7 @@ from serve_fakes import (  # noqa: E402
     chat_body,
     metric,
     metric_samples,
+    process_serving,
     sse_events,
     wait_for,
 )
@@ -651,14 +652,7 @@ def test_real_metrics_match_the_engine(real, oai, loaded):
 def test_sigterm_drains_the_stream_and_exits_0(serve_process):
     proc, url, log_path = serve_process
 
-    def up():
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    assert wait_for(up, timeout=240), log_path.read_text()
+    assert wait_for(process_serving(proc, url, log_path), timeout=240), log_path.read_text()
     # The command line's guard is on: a foreign Host or Origin is a 403, text/plain a 415,
     # and /health names no path.
     r = httpx.get(url + "/v1/models", headers={"Host": "evil.example"})
