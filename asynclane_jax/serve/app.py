@@ -22,7 +22,12 @@ a refused request (bad JSON, a body that is not UTF-8, nested too deep, holding 
 surrogate, an unknown field, a field that cannot be honoured, a prompt too long), 404 for
 another model, 429 when the engine's queue is full, 500 for a request the engine failed
 (that request only), 503 while the engine is shutting down (and for a request the drain
-cancelled; in a stream, an error event then [DONE]). No answer and no /health names a
+cancelled; in a stream, an error event then [DONE]) and for a request that the memory
+budget cannot hold even alone (code kv_budget_exceeded; one that fits later waits).
+
+Host work stays off the event loop: a request is parsed and tokenized, and submitted,
+on a worker thread (asyncio.to_thread); the engine's own threads decode and
+detokenize. No answer and no /health names a
 path of the server's machine.
 """
 
@@ -37,7 +42,7 @@ import time
 from typing import Any
 
 from asynclane_jax.serve import protocol, require
-from asynclane_jax.serve.engine import EngineError, EngineStopped, QueueFull
+from asynclane_jax.serve.engine import EngineError, EngineStopped, OverBudget, QueueFull
 from asynclane_jax.serve.guard import Guard, HostGate, Security
 from asynclane_jax.serve.metrics import START_KEY, Metrics, RequestMetrics, endpoint
 from asynclane_jax.serve.protocol import RequestError
@@ -101,6 +106,7 @@ class _Submitted:
     def __init__(self, engine, parsed: protocol.ParsedRequest, http_request,
                  metrics: Metrics | None = None):
         self.loop = asyncio.get_running_loop()
+        self.engine, self.parsed = engine, parsed
         self.metrics = metrics
         self.endpoint = endpoint(http_request.url.path)
         self.start = http_request.scope.get(START_KEY, time.perf_counter())
@@ -108,16 +114,31 @@ class _Submitted:
         self.http_request = http_request
         self.cutter = protocol.StopCutter(parsed.stop)
         self.done = False
+        self.handle = None
         self.prompt_tokens = len(parsed.prompt_ids)
         self.completion_tokens = 0
+
+    async def submit(self) -> None:
+        """Submits the request to the engine (on a worker thread: a new pool's shapes
+        are traced there, off the event loop).
+
+        Raises:
+          RequestError: 429 (queue full), 503 (shutting down, or over the memory
+            budget), 400 (a request the engine refuses).
+        """
+        parsed = self.parsed
         try:
-            self.handle = engine.submit(parsed.prompt_ids, max_tokens=parsed.max_tokens,
-                                        options=parsed.options or None,
-                                        on_update=self._on_update)
+            self.handle = await asyncio.to_thread(
+                self.engine.submit, parsed.prompt_ids, max_tokens=parsed.max_tokens,
+                options=parsed.options or None, on_update=self._on_update)
         except QueueFull as e:
             raise RequestError(f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
                                type="rate_limit_error", status=429,
                                headers={"Retry-After": "1"}) from None
+        except OverBudget as e:
+            raise RequestError(f"the server cannot hold this request: {e}",
+                               type="server_error", code="kv_budget_exceeded",
+                               param="max_tokens", status=503) from None
         except EngineError as e:
             if isinstance(e, EngineStopped):  # stopping, or not started
                 raise RequestError(f"the server is not taking requests: {e}",
@@ -125,9 +146,11 @@ class _Submitted:
                                    status=503) from None
             param = "sampler_options" if parsed.options else None
             raise RequestError(protocol.scrub(str(e)), param=param) from None
+        if self.done:  # closed (the client left) while it was being submitted
+            self.handle.cancel()
         self.request_id = self.handle.request_id
-        if metrics is not None:
-            metrics.prompt_tokens.inc(self.prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(self.prompt_tokens)
 
     def _on_update(self, update) -> None:
         # On the engine's thread: hand the update to the request's event loop.
@@ -137,7 +160,8 @@ class _Submitted:
     def close(self) -> None:
         if not self.done:
             self.done = True
-            self.handle.cancel()
+            if self.handle is not None:
+                self.handle.cancel()
 
     async def events(self):
         """Yields ("text", delta) as the committed text grows, then one of ("end",
@@ -308,6 +332,9 @@ def create_app(engine, *, default_max_tokens: int | None = None,
 
     async def read_json(request) -> Any:
         raw = await request.body()
+        return await asyncio.to_thread(decode_json, raw)  # off the event loop
+
+    def decode_json(raw: bytes) -> Any:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -357,8 +384,12 @@ def create_app(engine, *, default_max_tokens: int | None = None,
 
     async def complete(request, chat: bool):
         body = await read_json(request)
-        parsed = protocol.parse_request(body, spec, engine.tokenizer, chat=chat)
+        # Parsing and tokenizing run on a worker thread: a long prompt never stalls the
+        # event loop (other streams, /health).
+        parsed = await asyncio.to_thread(protocol.parse_request, body, spec,
+                                         engine.tokenizer, chat=chat)
         sub = _Submitted(engine, parsed, request, metrics)
+        await sub.submit()
         rid = ("chatcmpl-" if chat else "cmpl-") + str(sub.request_id)
         made = protocol.now()
         name = engine.model_name

@@ -76,6 +76,26 @@ def register(subparsers) -> None:
                         "(default 8)")
     p.add_argument("--queue", type=int, default=64, metavar="N",
                    help="requests waiting for a slot before new ones get 429 (default 64)")
+    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="bytes the pools' decode state (K/V caches, canvas) may hold "
+                        "together, e.g. 8GiB or 500MB (default: half the devices' free "
+                        "memory after the weights, or a quarter of the host's RAM on a "
+                        "CPU); a request that does not fit now waits, one that never "
+                        "fits gets a 503")
+    p.add_argument("--max-pools", type=int, default=32, metavar="N",
+                   help="pools (sampler setting x generation bucket x prompt bucket) kept "
+                        "with their compiled programs; idle ones beyond it are dropped, "
+                        "least recently used first (default 32)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the server's memory footprint (weights, each pool's state "
+                        "per slot count, the budget) from the model's config, without "
+                        "loading weights or allocating, and exit (0 when it fits, 1 "
+                        "when not); --model may then also be a preset such as "
+                        "llada-8b-instruct")
+    p.add_argument("--device-memory", default=None, metavar="SIZE",
+                   help="with --dry-run: the memory of the device to size for (e.g. "
+                        "141GiB), for the default budget and the check")
+    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object")
     # --compile-cache DIR (JAX's persistent cache: a restart loads the programs instead of
     # compiling them) is added and enabled by asynclane_jax.cli for every command that
     # compiles (asynclane_jax.compile_cache).
@@ -158,10 +178,9 @@ def _positive(args, *names) -> None:
 def run(args) -> int:
     from asynclane_jax.serve import require
 
-    require("fastapi")
-    require("uvicorn")
-    require("sse_starlette")
-    require("prometheus_client")
+    if not args.dry_run:
+        for module in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"):
+            require(module)
     if args.gen_length is not None:
         raise UsageError("serve: --gen-length is per request here; use --max-tokens (the "
                          "largest bucket) or --gen-lengths")
@@ -169,7 +188,15 @@ def run(args) -> int:
         raise UsageError("serve: --seed is not honoured under continuous batching (the "
                          "requests in the loop share one random stream)")
     _positive(args, "slots", "chunk", "queue", "default_max_tokens", "max_prompt",
-              "max_body_bytes", "max_prompt_chars")
+              "max_body_bytes", "max_prompt_chars", "max_pools")
+    kv_budget = None
+    if args.kv_budget is not None:
+        from asynclane_jax.serve.budget import BudgetError, parse_bytes
+
+        try:
+            kv_budget = parse_bytes(args.kv_budget)
+        except BudgetError as e:
+            raise UsageError(f"--kv-budget {e}") from None
     for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "drain_timeout"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be "
@@ -197,6 +224,8 @@ def run(args) -> int:
     from asynclane_jax.generate_cli import DEFAULT_MODEL, _sampler_and_options
 
     sampler, options = _sampler_and_options(args)
+    if args.dry_run:
+        return dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget)
     import asynclane_jax
     from asynclane_jax.serve.app import create_app
     from asynclane_jax.serve.engine import Engine, EngineError
@@ -217,7 +246,8 @@ def run(args) -> int:
                         sampler=sampler, options=options, slots=args.slots,
                         gen_lengths=buckets, chunk=args.chunk, queue_size=args.queue,
                         max_prompt=args.max_prompt, prompt_lengths=prompt_lengths,
-                        compile_cache=getattr(args, "compile_cache", None))
+                        compile_cache=getattr(args, "compile_cache", None),
+                        kv_budget=kv_budget, max_pools=args.max_pools)
         app = create_app(engine, default_max_tokens=args.default_max_tokens,
                          server_options=options, drain_timeout=args.drain_timeout,
                          security=security, max_prompt_chars=args.max_prompt_chars)
@@ -230,6 +260,31 @@ def run(args) -> int:
         print("asynclane-jax serve: error: the server did not start", file=sys.stderr)
         return 1
     return 0
+
+
+def dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget) -> int:
+    """--dry-run: prints the footprint (`footprint.Footprint`); 0 when it fits."""
+    from asynclane_jax.generate_cli import DEFAULT_MODEL
+    from asynclane_jax.serve.budget import BudgetError, parse_bytes
+    from asynclane_jax.serve.engine import EngineError
+    from asynclane_jax.serve.footprint import footprint
+
+    device = None
+    if args.device_memory is not None:
+        try:
+            device = parse_bytes(args.device_memory)
+        except BudgetError as e:
+            raise UsageError(f"--device-memory {e}") from None
+    try:
+        report = footprint(args.model or DEFAULT_MODEL, sampler=sampler, options=options,
+                           slots=args.slots, gen_lengths=buckets, max_prompt=args.max_prompt,
+                           prompt_lengths=prompt_lengths, kv_budget=kv_budget,
+                           device_bytes=device, quantize=args.quantize,
+                           scan_layers=args.scan_layers)
+    except EngineError as e:
+        raise UsageError(str(e)) from None
+    print(report.to_json() if args.json else report.summary())
+    return 0 if report.fits else 1
 
 
 def public_model_name(model: str) -> str:

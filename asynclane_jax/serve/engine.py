@@ -1,23 +1,36 @@
-"""Continuous batching over the decode loop's row slots.
+"""Continuous batching over the decode loop's row slots, within a memory budget.
 
-The engine keeps, per (sampler settings, generation bucket), a pool of `slots` rows
-carried on the device between calls of one compiled program, `driver.serve_chunk`: it
-retires cancelled rows, admits waiting requests into free rows (their first model call
-inside the same program) and runs up to `chunk` loop iterations. Between chunks the
-engine's thread reads the canvas back, sends every request the tokens its contiguous
-committed prefix gained (a diffusion LM commits out of order: a token is sent only when
-every token before it is committed, and never again), and frees the rows that are done.
+The engine keeps, per (sampler settings, generation bucket, prompt bucket), a pool whose
+rows are carried on the device between calls of one compiled program,
+`driver.serve_chunk`: it retires cancelled rows, admits waiting requests into free rows
+(their first model call inside the same program) and runs up to `chunk` loop
+iterations. Between chunks the engine's thread reads the canvas back and frees the rows
+that are done; a second host thread (the emitter) detokenizes and hands each request the
+text its contiguous committed prefix gained (a diffusion LM commits out of order: a
+token is sent only when every token before it is committed, and never again), while the
+engine's thread runs the next chunk.
+
+Active-batch buckets: a pool runs at the smallest slot count of 1, 2, 4, ... up to
+`slots` (`budget.slot_buckets`) that holds its rows and the requests it admits, each
+count one compiled program; when that count changes, the rows in flight are moved into
+a state of the new size (a gather on the device), so one client pays for one row.
+
+Memory: a pool's state (K/V cache, canvas, per-row counters) is sized from its shapes
+(`jax.eval_shape`, before anything is allocated) as fixed + per-row bytes. All pools
+together hold at most `kv_budget` bytes: `budget.plan` decides each round which pools
+grow, which wait and which idle pools are released (least recently used first). A
+request whose pool cannot hold one row within the whole budget is refused at submit
+(`OverBudget`). At most `max_pools` pools are kept; idle ones beyond it are dropped with
+their programs, least recently used first.
 
 A request's tokens are `generate`'s for the same prompt and settings at gen_length =
 its bucket (the smallest configured generation length >= max_tokens), cut at
 max_tokens: rows never see each other, and a row decodes the same whatever its left
-padding.
-
-Requests with per-request sampler options run in a pool of their own, compiled on
-first use (the engine's thread compiles it while other pools wait).
+padding, its slot or the pool's slot count.
 
 `stats()` (for /health) and `gauges()` (for /metrics, read without the engine's lock)
-report the rows in use, the queue, the pools with their K/V bytes, and the compiles.
+report the rows in use, the queue, the pools with the bytes they hold, the budget and
+the compiles.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import queue
 import threading
 import time
 import uuid
@@ -39,6 +53,7 @@ from asynclane_jax.decoding import driver
 from asynclane_jax.decoding.api import build_canvas, make_schedule, prompt_bucket
 from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 from asynclane_jax.decoding.schedule import SamplerError
+from asynclane_jax.serve import budget as budget_lib
 
 
 class EngineError(ValueError):
@@ -53,9 +68,13 @@ class EngineStopped(EngineError):
     """The engine is not taking requests (not started, or shutting down)."""
 
 
+class OverBudget(EngineError):
+    """A request whose pool cannot hold one row within the whole memory budget."""
+
+
 @dataclasses.dataclass
 class Update:
-    """What a request gained since its last update (called from the engine's thread)."""
+    """What a request gained since its last update (called from the emitter's thread)."""
 
     token_ids: list[int]  # newly final tokens, in order; stop tokens excluded
     text: str  # their text ("" while a piece of text is held back)
@@ -86,57 +105,164 @@ class _Request:
     max_tokens: int
     pool_key: tuple
     on_update: Callable[[Update], None]
+    seq: int = 0  # arrival order
     cancelled: bool = False
-    sent: int = 0  # tokens sent
-    text: str = ""  # text sent
+    sent: int = 0  # tokens handed to the emitter
+    text: str = ""  # text sent (the emitter's)
     done: bool = False
 
 
+def _itemsize(dtype) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8  # a threefry key: two uint32
+    return np.dtype(dtype).itemsize
+
+
+def _state_bytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * _itemsize(x.dtype) for x in jax.tree.leaves(tree))
+
+
+def pool_layout(graphdef, params, schedule, rows_shape: tuple[int, int], mask_id: int,
+                seed: int = 0):
+    """A pool's state from its shapes alone (nothing allocated): (PoolShape, the batch
+    axis of each of the state's leaves, None for leaves shared by the rows).
+
+    params may be abstract (ShapeDtypeStructs: no weights needed). rows_shape: (anything,
+    T); the state is traced at 1 and 2 rows.
+    """
+    T = rows_shape[1]
+
+    def at(b):
+        def init(p, r):
+            canvas = jnp.full((b, T), mask_id, jnp.int32)
+            return driver.serve_init(graphdef, p, canvas, r, schedule.operands(),
+                                     schedule=schedule)
+        return jax.eval_shape(init, params, jax.random.key(seed))
+
+    one, two = at(1), at(2)
+    axes = []
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+        diff = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+        axes.append(diff[0] if diff else None)
+    b1, b2 = _state_bytes(one), _state_bytes(two)
+    kv = _state_bytes(two.cache) - _state_bytes(one.cache) if one.cache is not None else 0
+    return budget_lib.PoolShape(fixed=2 * b1 - b2, per_row=b2 - b1, kv_per_row=kv), \
+        tuple(axes)
+
+
 class _Pool:
-    """One compiled program: a schedule at one generation bucket over the slot rows."""
+    """One schedule at one generation bucket and prompt bucket: its state at its current
+    slot count (`size`, 0 when it holds none) and its programs by slot count."""
 
     def __init__(self, engine: Engine, schedule, gen_length: int, prompt_length: int):
         self.engine, self.schedule, self.G = engine, schedule, gen_length
         cfg = engine.cfg
+        self.key = (schedule, gen_length, prompt_length)
         self.P = prompt_bucket(prompt_length, gen_length, cfg, prompt_length)
         self.T = self.P + gen_length
-        b = engine.slots
-        self.rows: list[_Request | None] = [None] * b
+        self.shape, self.axes = engine._layout(self.key)
+        self.size = 0
+        self.state = None
+        self.rows: list[_Request | None] = []
         self.waiting: collections.deque[_Request] = collections.deque()
-        self.pad_len = np.zeros(b, np.int32)
+        self.pad_len = np.zeros(0, np.int32)
         self.operands = jax.tree.map(jnp.asarray, schedule.operands())
-        graphdef, params = engine.graphdef, engine.params
-        canvas = jnp.full((b, self.T), cfg.mask_token_id, jnp.int32)
-        rng = jax.random.key(engine.seed)
-        t0 = time.perf_counter()
-        init = jax.jit(lambda c, r, o: driver.serve_init(graphdef, params, c, r, o,
-                                                         schedule=schedule))
-        self.state = init(canvas, rng, self.operands)
-        # The K/V cache's bytes, from its shapes (0 when the schedule keeps none).
-        self.kv_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                            for x in jax.tree.leaves(self.state.cache))
-        chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o: driver.serve_chunk(
-            graphdef, p, st, pad, adm, cin, ret, k, o, schedule=schedule),
-            donate_argnums=(1,))
-        args = (params, self.state, jnp.asarray(self.pad_len), jnp.zeros((b,), bool),
-                canvas, jnp.zeros((b,), bool), jnp.asarray(1, jnp.int32), self.operands)
-        self.fn = chunk.lower(*args).compile()
-        self.compile_time = time.perf_counter() - t0
+        self.programs: dict[int, tuple] = {}  # slots -> (init, chunk, resize)
+        self.compile_time = 0.0
+        self.last_used = time.monotonic()
 
+    # -- what plan reads -----------------------------------------------------------------
     @property
-    def busy(self) -> int:
-        return sum(r is not None for r in self.rows)
+    def live(self) -> int:
+        """Rows holding a request (cancelled ones too, until the chunk that frees them)."""
+        return sum(r is not None and r is not _RETIRED for r in self.rows)
 
     @property
     def decoding(self) -> int:
-        """Rows decoding a request (not those retired at the next chunk)."""
-        return sum(r is not None and r is not _RETIRED for r in self.rows)
+        return self.live
 
-    def has_work(self) -> bool:
-        return bool(self.waiting) or self.busy > 0
+    @property
+    def held_bytes(self) -> int:
+        return self.shape.bytes(self.size)
 
-    def run_chunk(self) -> None:
-        eng, cfg, b = self.engine, self.engine.cfg, self.engine.slots
+    def view(self) -> budget_lib.PoolView:
+        return budget_lib.PoolView(key=self.key, shape=self.shape, held=self.size,
+                                   live=self.live, waiting=len(self.waiting),
+                                   oldest=self.waiting[0].seq if self.waiting else None,
+                                   last_used=self.last_used)
+
+    # -- programs ------------------------------------------------------------------------
+    def program(self, b: int) -> tuple:
+        """(init, chunk, resize) at b slots, compiled on first use (from shapes only)."""
+        if b in self.programs:
+            return self.programs[b]
+        eng, cfg, schedule = self.engine, self.engine.cfg, self.schedule
+        graphdef, params, T, operands = eng.graphdef, eng.params, self.T, self.operands
+        t0 = time.perf_counter()
+
+        def init_fn(r, o):
+            canvas = jnp.full((b, T), cfg.mask_token_id, jnp.int32)
+            return driver.serve_init(graphdef, params, canvas, r, o, schedule=schedule)
+
+        rng = jax.random.key(eng.seed)
+        init = jax.jit(init_fn).lower(rng, operands).compile()
+        shardings = init.output_shardings
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                  sharding=s),
+                                jax.eval_shape(init_fn, rng, operands), shardings)
+        chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o: driver.serve_chunk(
+            graphdef, p, st, pad, adm, cin, ret, k, o, schedule=schedule),
+            donate_argnums=(1,))
+        args = (params, abstract, jax.ShapeDtypeStruct((b,), jnp.int32),
+                jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((b, T), jnp.int32),
+                jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((), jnp.int32),
+                operands)
+        fn = chunk.lower(*args).compile()
+        axes = self.axes
+
+        def resize_fn(state, src, valid):
+            leaves, treedef = jax.tree.flatten(state)
+            moved = [x if ax is None else jnp.take(x, src, axis=ax)
+                     for x, ax in zip(leaves, axes)]
+            st = jax.tree.unflatten(treedef, moved)
+            return st.replace(finished=jnp.where(valid, st.finished, True))
+
+        resize = jax.jit(resize_fn, out_shardings=shardings)
+        dt = time.perf_counter() - t0
+        self.compile_time += dt
+        eng.compiles += 1
+        eng.compile_seconds += dt
+        self.programs[b] = (init, fn, resize)
+        return self.programs[b]
+
+    # -- state ---------------------------------------------------------------------------
+    def resize(self, b: int) -> None:
+        """Holds state for b slots: the rows in flight move to the first slots; b = 0
+        releases the state (no row may be in flight then)."""
+        if b == self.size:
+            return
+        keep = [i for i, r in enumerate(self.rows) if r is not None and r is not _RETIRED]
+        if len(keep) > b:
+            raise RuntimeError(f"{len(keep)} rows in flight do not fit in {b} slots")
+        if b == 0:
+            self.state, self.rows, self.pad_len, self.size = None, [], self.pad_len[:0], 0
+            return
+        init, _, resize = self.program(b)
+        if self.state is None or not keep:
+            self.state = None  # the old state goes before the new one is made
+            self.state = init(jax.random.key(self.engine.seed), self.operands)
+            self.rows, self.pad_len = [None] * b, np.zeros(b, np.int32)
+        else:
+            src = np.array(keep + [0] * (b - len(keep)), np.int32)
+            valid = np.arange(b) < len(keep)
+            self.state = resize(self.state, jnp.asarray(src), jnp.asarray(valid))
+            self.rows = [self.rows[i] for i in keep] + [None] * (b - len(keep))
+            self.pad_len = np.where(valid, self.pad_len[src], 0).astype(np.int32)
+        self.size = b
+
+    def run_chunk(self, admit_n: int) -> None:
+        eng, cfg, b = self.engine, self.engine.cfg, self.size
+        _, fn, _ = self.program(b)
         admit = np.zeros(b, bool)
         retire = np.zeros(b, bool)
         canvas_in = np.full((b, self.T), cfg.mask_token_id, np.int32)
@@ -146,7 +272,7 @@ class _Pool:
                 self.rows[i] = None
                 eng._finish(req, "cancelled")
         for i in range(b):
-            while self.rows[i] is None and self.waiting:
+            while self.rows[i] is None and self.waiting and admit_n > 0:
                 req = self.waiting.popleft()
                 if req.cancelled:
                     eng._finish(req, "cancelled")
@@ -155,32 +281,89 @@ class _Pool:
                 canvas_in[i], self.pad_len[i] = canvas[0], pad[0]
                 admit[i] = True
                 self.rows[i] = req
-        self.state = self.fn(eng.params, self.state, jnp.asarray(self.pad_len),
-                             jnp.asarray(admit), jnp.asarray(canvas_in), jnp.asarray(retire),
-                             jnp.asarray(eng.chunk, jnp.int32), self.operands)
+                admit_n -= 1
+        self.last_used = time.monotonic()
+        if not any(r is not None for r in self.rows) and not retire.any():
+            return  # nothing to run
+        self.state = fn(eng.params, self.state, jnp.asarray(self.pad_len),
+                        jnp.asarray(admit), jnp.asarray(canvas_in), jnp.asarray(retire),
+                        jnp.asarray(eng.chunk, jnp.int32), self.operands)
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
         for i, req in enumerate(self.rows):
-            if req is not None and eng._advance(req, gen[i], bool(finished[i])):
+            if req is not None and req is not _RETIRED and eng._advance(
+                    req, gen[i], bool(finished[i])):
                 self.rows[i] = None
                 if not finished[i]:  # done by max_tokens: retire the row next chunk
                     self.rows[i] = _RETIRED
+
+    def fail(self, message: str) -> None:
+        """Fails every request of the pool and releases its state."""
+        for req in self.rows:
+            if req is not None and req is not _RETIRED:
+                self.engine._finish(req, "error", error=message)
+        while self.waiting:
+            self.engine._finish(self.waiting.popleft(), "error", error=message)
+        self.rows = [None] * self.size
+        self.state, self.rows, self.size = None, [], 0
 
 
 _RETIRED = _Request(id="retired", engine=None, prompt=[], max_tokens=0, pool_key=(),
                     on_update=lambda u: None, cancelled=True, done=True)
 
 
+class _Emitter:
+    """The host thread that detokenizes and calls the requests' on_update, in the order
+    the engine's thread hands it their progress, so that the next chunk runs meanwhile."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0
+        self._lock = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="asynclane-emitter",
+                                       daemon=True)
+        self.thread.start()
+
+    def put(self, item) -> None:
+        with self._lock:
+            self.pending += 1
+        self.queue.put(item)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until everything handed over has been sent."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.pending == 0, timeout)
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            try:
+                self.engine._deliver(*item)
+            finally:
+                with self._lock:
+                    self.pending -= 1
+                    self._lock.notify_all()
+
+
 class Engine:
-    """Continuous batching of requests over `slots` rows of the compiled decode loop.
+    """Continuous batching of requests over up to `slots` rows of the compiled decode loop
+    per pool, within a memory budget.
 
     Args:
       model, tokenizer: a loaded model and its tokenizer (`asynclane_jax.load`).
       model_name: the name clients ask for.
       sampler, options: the sampler and its options for every request (a request may
         add options of the same sampler; each distinct setting is a pool of its own).
-      slots: rows per pool.
+      slots: rows per pool, at most; a pool runs at the smallest of 1, 2, 4, ... slots
+        that holds its rows.
       gen_lengths: the generation buckets; a request runs at the smallest bucket that
         holds its max_tokens.
       chunk: loop iterations per chunk (between two reads of the canvas).
@@ -192,6 +375,13 @@ class Engine:
         smallest that holds it (every call computes every row at its pool's length).
       seed: PRNG seed of every pool (samplers that draw random numbers share one key
         per pool, so a per-request seed is not honoured).
+      kv_budget: the bytes all pools' states may hold together (an int or a size such
+        as "8GiB"); default `budget.default_budget` (a share of the devices' free
+        memory, or of the host's RAM on a CPU).
+      max_pools: pools kept (with their compiled programs) at most; idle ones beyond it
+        are dropped, least recently used first.
+      precompile: at start, compile the default pools at every slot count ("all"), at
+        the largest only ("largest"), or none ("none": on first use).
     """
 
     def __init__(self, model, tokenizer, *, model_name: str, sampler: str = DEFAULT_SAMPLER,
@@ -199,14 +389,18 @@ class Engine:
                  gen_lengths: Sequence[int] = (128, 256, 512), chunk: int = 8,
                  queue_size: int = 64, max_prompt: int | None = None,
                  prompt_lengths: Sequence[int] | None = None, seed: int = 0,
-                 compile_cache: str | None = None):
+                 compile_cache: str | None = None, kv_budget: int | str | None = None,
+                 max_pools: int = 32, precompile: str = "all"):
         if compile_cache:
             from asynclane_jax import compile_cache as cc
 
             cc.enable(compile_cache)
-        for name, value in (("slots", slots), ("chunk", chunk), ("queue_size", queue_size)):
+        for name, value in (("slots", slots), ("chunk", chunk), ("queue_size", queue_size),
+                            ("max_pools", max_pools)):
             if int(value) < 1:
                 raise EngineError(f"{name}={value}: must be at least 1")
+        if precompile not in ("all", "largest", "none"):
+            raise EngineError(f"precompile={precompile!r}: one of all, largest, none")
         self.gen_lengths = tuple(sorted({int(g) for g in gen_lengths}))
         if not self.gen_lengths or self.gen_lengths[0] < 1:
             raise EngineError(f"gen_lengths {tuple(gen_lengths)}: give positive lengths")
@@ -214,34 +408,40 @@ class Engine:
         self.model_name, self.sampler = model_name, sampler
         self.options = dict(options or {})
         self.slots, self.chunk, self.queue_size, self.seed = slots, chunk, queue_size, seed
-        room = self.cfg.max_seq_len - self.gen_lengths[-1]
-        self.max_prompt = room if max_prompt is None else int(max_prompt)
-        if not 1 <= self.max_prompt <= room:
-            raise EngineError(f"max_prompt={self.max_prompt}: the model holds "
-                              f"{self.cfg.max_seq_len} tokens, so at most {room} with "
-                              f"generation bucket {self.gen_lengths[-1]}")
-        default = [n for n in (128, self.max_prompt) if n <= self.max_prompt]
-        self.prompt_lengths = tuple(sorted({min(int(n), self.max_prompt)
-                                            for n in (prompt_lengths or default)}))
-        if self.prompt_lengths[0] < 1:
-            raise EngineError(f"prompt_lengths {tuple(prompt_lengths)}: give positive lengths")
-        if self.prompt_lengths[-1] < self.max_prompt:
-            self.prompt_lengths += (self.max_prompt,)
+        self.slot_buckets = budget_lib.slot_buckets(int(slots))
+        self.max_pools, self.precompile = int(max_pools), precompile
+        self.max_prompt, self.prompt_lengths = prompt_buckets(
+            self.cfg, self.gen_lengths, max_prompt, prompt_lengths)
         self.graphdef, self.params = nnx.split(model)
+        if kv_budget is None:
+            self.kv_budget, self.budget_source = budget_lib.default_budget(
+                *device_memory(), budget_lib.host_memory_bytes())
+        else:
+            try:
+                self.kv_budget = budget_lib.parse_bytes(kv_budget)
+            except budget_lib.BudgetError as e:
+                raise EngineError(f"kv_budget {e}") from None
+            self.budget_source = "given"
         self.stop_ids = set(self.cfg.stop_token_ids)
         self.pools: dict[tuple, _Pool] = {}
+        self._layouts: dict[tuple, tuple] = {}
+        self._layout_lock = threading.Lock()
         self._lock = threading.Condition()
         self._inbox: list[_Request] = []
         self._accepting = False
         self._running = False
         self._thread: threading.Thread | None = None
+        self._emitter: _Emitter | None = None
         self._ids = itertools.count()
         self.requests_done = 0
         self.tokens_sent = 0
         self.chunks = 0
-        self.compiles = 0  # pools compiled, and the seconds that took
+        self.compiles = 0  # programs compiled (a pool at a slot count), and their seconds
         self.compile_seconds = 0.0
-        self._schedule(None, self.gen_lengths[0])  # a bad sampler or option fails here
+        self.evicted = 0  # pools dropped (max_pools) and states released (the budget)
+        for g in self.gen_lengths:  # a bad sampler or option fails here; so does a
+            key = self._key(None, g, self.prompt_lengths[-1])  # budget below one row
+            self._check_fits(key)
 
     # -- public -------------------------------------------------------------------------
     def bucket(self, max_tokens: int) -> int:
@@ -255,10 +455,15 @@ class Engine:
                           f"length served, {self.gen_lengths[-1]}")
 
     def start(self) -> None:
-        """Compiles the default pools and starts the engine's thread."""
+        """Compiles the default pools (`precompile`) and starts the engine's threads."""
+        sizes = {"all": self.slot_buckets, "largest": self.slot_buckets[-1:],
+                 "none": ()}[self.precompile]
         for g in self.gen_lengths:
             for n in self.prompt_lengths:
-                self._pool(self._key(None, g, n))
+                pool = self._pool(self._key(None, g, n))
+                for b in sizes:
+                    pool.program(b)
+        self._emitter = _Emitter(self)
         self._accepting = self._running = True
         self._thread = threading.Thread(target=self._loop, name="asynclane-engine",
                                         daemon=True)
@@ -267,12 +472,13 @@ class Engine:
     def submit(self, prompt_ids: Sequence[int], *, max_tokens: int,
                options: dict | None = None,
                on_update: Callable[[Update], None]) -> Handle:
-        """Queues a request; its updates go to on_update (from the engine's thread).
+        """Queues a request; its updates go to on_update (from the emitter's thread).
 
         Raises:
           EngineError: a prompt too long or empty, token ids outside the vocabulary,
             max_tokens out of range, an unknown or invalid sampler option, an engine
-            that is not running; QueueFull when the queue is at its bound.
+            that is not running; QueueFull when the queue is at its bound; OverBudget
+            when its pool cannot hold one row within the whole budget.
         """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -284,6 +490,11 @@ class Engine:
             raise EngineError(f"token ids outside [0, {self.cfg.vocab_size})")
         n = next(n for n in self.prompt_lengths if n >= len(prompt))
         key = self._key(options, self.bucket(int(max_tokens)), n)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down" if self._running else
+                                    "the engine is not running")
+        self._check_fits(key)
         req = _Request(id=f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", engine=self,
                        prompt=prompt, max_tokens=int(max_tokens), pool_key=key,
                        on_update=on_update)
@@ -293,13 +504,14 @@ class Engine:
                                     "the engine is not running")
             if self._waiting() >= self.queue_size:
                 raise QueueFull(f"{self.queue_size} requests are already waiting; try again")
+            req.seq = next(self._ids)
             self._inbox.append(req)
             self._lock.notify_all()
         return Handle(req)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops taking requests; with drain, finishes those in flight (else cancels
-        them); then stops the thread."""
+        them); then stops the threads."""
         with self._lock:
             self._accepting = False
             if not drain:
@@ -318,27 +530,37 @@ class Engine:
             self._lock.notify_all()
         if self._thread is not None:
             self._thread.join()
+        if self._emitter is not None:
+            self._emitter.flush()
+            self._emitter.stop()
 
     def stats(self) -> dict:
         with self._lock:
-            return {"slots": self.slots, "pools": len(self.pools),
-                    "slots_busy": sum(p.decoding for p in self.pools.values()),
+            pools = list(self.pools.values())
+            return {"slots": self.slots, "slot_buckets": list(self.slot_buckets),
+                    "pools": len(pools),
+                    "slots_busy": sum(p.decoding for p in pools),
                     "waiting": self._waiting(), "requests_done": self.requests_done,
                     "tokens_sent": self.tokens_sent, "chunks": self.chunks,
-                    "compile_s": [{"gen_length": k[1], "prompt_length": k[2],
-                                   "options": k[0].settings(), "seconds": round(p.compile_time, 2)}
-                                  for k, p in self.pools.items()]}
+                    "kv_budget": self.kv_budget,
+                    "pool_bytes": sum(p.held_bytes for p in pools),
+                    "compile_s": [{"gen_length": p.G, "prompt_length": p.P,
+                                   "options": p.schedule.settings(),
+                                   "slots": sorted(p.programs), "held_slots": p.size,
+                                   "seconds": round(p.compile_time, 2)}
+                                  for p in pools]}
 
     def gauges(self) -> dict:
         """The engine's state for /metrics, read without its lock (a scrape never waits
         for the loop; each number is a moment's, not all of them the same moment's):
-        slots (rows per pool), slots_busy, waiting, pools, pool_bytes (their K/V caches,
-        from the shapes), compiles and compile_seconds (so far), requests_done,
-        tokens_sent, chunks."""
+        slots (rows per pool, at most), slots_busy, waiting, pools, pool_bytes (the state
+        they hold, from its shapes), kv_budget, compiles and compile_seconds (so far),
+        evicted, requests_done, tokens_sent, chunks."""
         pools = list(self.pools.values())  # one step under the GIL: a consistent copy
         return {"slots": self.slots, "slots_busy": sum(p.decoding for p in pools),
                 "waiting": len(self._inbox) + sum(len(p.waiting) for p in pools),
-                "pools": len(pools), "pool_bytes": sum(p.kv_bytes for p in pools),
+                "pools": len(pools), "pool_bytes": sum(p.held_bytes for p in pools),
+                "kv_budget": self.kv_budget, "evicted": self.evicted,
                 "compiles": self.compiles, "compile_seconds": self.compile_seconds,
                 "requests_done": self.requests_done, "tokens_sent": self.tokens_sent,
                 "chunks": self.chunks}
@@ -357,20 +579,48 @@ class Engine:
     def _key(self, options, gen_length: int, prompt_length: int) -> tuple:
         return (self._schedule(options, gen_length), gen_length, prompt_length)
 
+    def _layout(self, key) -> tuple:
+        """(PoolShape, batch axes) of a pool key, from shapes (cached)."""
+        with self._layout_lock:
+            if key not in self._layouts:
+                schedule, g, n = key
+                P = prompt_bucket(n, g, self.cfg, n)
+                if len(self._layouts) >= 4 * self.max_pools:
+                    self._layouts.pop(next(iter(self._layouts)))
+                self._layouts[key] = pool_layout(self.graphdef, self.params, schedule,
+                                                 (1, P + g), self.cfg.mask_token_id,
+                                                 self.seed)
+            return self._layouts[key]
+
+    def _check_fits(self, key) -> None:
+        shape = self._layout(key)[0]
+        if shape.bytes(1) > self.kv_budget:
+            raise OverBudget(
+                f"a request at generation length {key[1]} (prompt bucket {key[2]}) needs "
+                f"{budget_lib.size_text(shape.bytes(1))} of decode state, more than this "
+                f"server's whole budget ({budget_lib.size_text(self.kv_budget)}); ask for "
+                "fewer max_tokens")
+
     def _pool(self, key) -> _Pool:
         if key not in self.pools:
-            pool = _Pool(self, *key)
-            self.compiles += 1
-            self.compile_seconds += pool.compile_time
-            self.pools[key] = pool
+            self.pools[key] = _Pool(self, *key)
+            self._trim_pools()
         return self.pools[key]
+
+    def _trim_pools(self) -> None:
+        idle = sorted((p for p in self.pools.values() if not p.live and not p.waiting),
+                      key=lambda p: p.last_used)
+        while len(self.pools) > self.max_pools and idle:
+            p = idle.pop(0)
+            del self.pools[p.key]
+            self.evicted += 1
 
     def _waiting(self) -> int:
         return len(self._inbox) + sum(len(p.waiting) for p in self.pools.values())
 
     def _all_requests(self) -> list[_Request]:
         out = list(self._inbox)
-        for p in self.pools.values():
+        for p in list(self.pools.values()):
             out += list(p.waiting) + [r for r in p.rows if r is not None and r is not _RETIRED]
         return out
 
@@ -382,7 +632,7 @@ class Engine:
         while True:
             with self._lock:
                 while (self._running and not self._inbox
-                       and not any(p.has_work() for p in self.pools.values())):
+                       and not any(p.live or p.waiting for p in self.pools.values())):
                     self._lock.wait(timeout=0.5)
                 if not self._running:
                     return
@@ -390,24 +640,43 @@ class Engine:
             for req in inbox:
                 try:
                     self._pool(req.pool_key).waiting.append(req)
-                except Exception as e:  # a pool that cannot compile fails its requests only
+                except Exception as e:  # a pool that cannot be built fails its requests only
                     self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-            for pool in list(self.pools.values()):
-                if pool.has_work():
-                    try:
-                        pool.run_chunk()
-                    except Exception as e:  # fail this pool's requests, keep serving
-                        for j, req in enumerate(pool.rows):
-                            if req is not None and req is not _RETIRED:
-                                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-                            pool.rows[j] = None
-                        while pool.waiting:
-                            self._finish(pool.waiting.popleft(), "error",
-                                         error=f"{type(e).__name__}: {e}")
+            ran = self._round()
+            if not ran:  # requests wait for memory, or all were cancelled: do not spin
+                with self._lock:
+                    self._lock.wait(timeout=0.01)
+
+    def _round(self) -> bool:
+        """One chunk of every pool with rows or admissions, at the sizes `plan` gives;
+        whether any chunk ran."""
+        pools = list(self.pools.values())
+        for p in pools:  # cancelled waiting requests leave the queue now
+            for req in [r for r in p.waiting if r.cancelled]:
+                p.waiting.remove(req)
+                self._finish(req, "cancelled")
+        decisions = budget_lib.plan([p.view() for p in pools], self.slot_buckets,
+                                    self.kv_budget)
+        ran = False
+        # Shrinks and releases first, so that the bytes are free before others grow.
+        order = sorted(pools, key=lambda p: decisions[p.key].size - p.size)
+        for p in order:
+            d = decisions[p.key]
+            if d.size == 0 and p.size:
+                self.evicted += not p.live
+            try:
+                p.resize(d.size)
+                if p.size and (p.live or d.admit):
+                    p.run_chunk(d.admit)
+                    ran = True
+            except Exception as e:  # fail this pool's requests, keep serving
+                p.fail(f"{type(e).__name__}: {e}")
+        self._trim_pools()
+        return ran
 
     def _advance(self, req: _Request, gen: np.ndarray, finished: bool) -> bool:
-        """Sends a request what its contiguous committed prefix gained; whether it is
-        done."""
+        """Hands the emitter what a request's contiguous committed prefix gained; whether
+        it is done."""
         mask = self.cfg.mask_token_id
         masked = np.flatnonzero(gen == mask)
         ready = int(masked[0]) if len(masked) else len(gen)
@@ -420,45 +689,90 @@ class Engine:
             reason = "length"
         elif finished:  # the step cap, with masks left
             reason = "error"
+        if reason is None and end <= req.sent:
+            return False
         tokens = [int(t) for t in gen[:end]]
-        text = self._text(tokens)
-        new_text = text[len(req.text):] if text.startswith(req.text) else ""
-        if reason is None and new_text.endswith("\ufffd"):
-            new_text = ""  # a character not yet whole
-        new = tokens[req.sent:]
-        if reason is not None and not text.startswith(req.text):
-            new_text = text  # the tokenizer re-read earlier text; send what is final
-        if reason is None and not new:
-            return False
-        req.sent = end
+        start, req.sent = req.sent, end
+        self.tokens_sent += end - start
+        if reason is not None:
+            req.done = True
+            self.requests_done += 1
+        self._emitter.put((req, tokens, start, reason,
+                           "the decode hit its step cap" if reason == "error" else None))
+        return reason is not None
+
+    def _deliver(self, req: _Request, tokens: list[int], start: int, reason: str | None,
+                 error: str | None) -> None:
+        """On the emitter's thread: the text `tokens` (the request's final prefix so far)
+        add, sent with the tokens after `start`."""
+        if tokens is None:  # cancelled, or failed: no new tokens
+            new, new_text, count = [], "", start
+        else:
+            new, count = tokens[start:], len(tokens)
+            text = self._text(tokens)
+            new_text = text[len(req.text):] if text.startswith(req.text) else ""
+            if reason is None and new_text.endswith("\ufffd"):
+                new_text = ""  # a character not yet whole
+            if reason is not None and not text.startswith(req.text):
+                new_text = text  # the tokenizer re-read earlier text; send what is final
         req.text += new_text
-        self.tokens_sent += len(new)
-        if reason is None:
-            self._emit(req, Update(token_ids=new, text=new_text, finished=False,
-                                   finish_reason=None, prompt_tokens=len(req.prompt),
-                                   completion_tokens=req.sent))
-            return False
-        self._finish(req, reason, token_ids=new, text=new_text,
-                     error="the decode hit its step cap" if reason == "error" else None)
-        return True
+        update = Update(token_ids=new, text=new_text, finished=reason is not None,
+                        finish_reason=reason, prompt_tokens=len(req.prompt),
+                        completion_tokens=count, error=error)
+        try:
+            req.on_update(update)
+        except Exception:  # a failing consumer must not stop the engine
+            req.cancelled = True
 
     def _text(self, tokens: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _finish(self, req: _Request, reason: str, *, token_ids=(), text: str = "",
-                error: str | None = None) -> None:
+    def _finish(self, req: _Request, reason: str, *, error: str | None = None) -> None:
+        """Ends a request without new tokens (cancelled, or an error)."""
         if req.done:
             return
         req.done = True
         self.requests_done += 1
-        self._emit(req, Update(token_ids=list(token_ids), text=text, finished=True,
-                               finish_reason=reason, prompt_tokens=len(req.prompt),
-                               completion_tokens=req.sent, error=error))
+        if self._emitter is None:  # not started: nothing to hand over to
+            return
+        self._emitter.put((req, None, req.sent, reason, error))
 
-    def _emit(self, req: _Request, update: Update) -> None:
+
+def prompt_buckets(cfg, gen_lengths: Sequence[int], max_prompt: int | None,
+                   prompt_lengths: Sequence[int] | None) -> tuple[int, tuple[int, ...]]:
+    """(max_prompt, prompt buckets) as the Engine's arguments describe them.
+
+    Raises:
+      EngineError: a max_prompt the model cannot hold with the largest bucket, or
+        prompt lengths that are not positive.
+    """
+    room = cfg.max_seq_len - max(gen_lengths)
+    max_prompt = room if max_prompt is None else int(max_prompt)
+    if not 1 <= max_prompt <= room:
+        raise EngineError(f"max_prompt={max_prompt}: the model holds {cfg.max_seq_len} "
+                          f"tokens, so at most {room} with generation bucket "
+                          f"{max(gen_lengths)}")
+    default = [n for n in (128, max_prompt) if n <= max_prompt]
+    lengths = tuple(sorted({min(int(n), max_prompt) for n in (prompt_lengths or default)}))
+    if lengths[0] < 1:
+        raise EngineError(f"prompt_lengths {tuple(prompt_lengths)}: give positive lengths")
+    if lengths[-1] < max_prompt:
+        lengths += (max_prompt,)
+    return max_prompt, lengths
+
+
+def device_memory(devices=None) -> tuple[int | None, int | None]:
+    """(bytes limit, bytes in use) summed over the devices, where JAX reports them."""
+    limit = used = 0
+    for d in devices or jax.local_devices():
         try:
-            req.on_update(update)
-        except Exception:  # a failing consumer must not stop the engine
-            req.cancelled = True
+            s = d.memory_stats() or {}
+        except Exception:  # a backend without memory stats
+            s = {}
+        if not s.get("bytes_limit"):
+            return None, None
+        limit += int(s["bytes_limit"])
+        used += int(s.get("bytes_in_use", 0))
+    return limit, used

@@ -11,10 +11,14 @@
   asynclane_queue_depth                            requests waiting for a row
   asynclane_slots_busy, asynclane_pool_slots       rows decoding a request (all pools);
                                                    rows per pool
-  asynclane_pools, asynclane_pool_bytes            compiled pools, and their K/V caches'
-                                                   bytes (from the caches' shapes)
-  asynclane_compiles_total,                        pools compiled, and the seconds spent
-  asynclane_compile_seconds_total                  compiling them
+  asynclane_pools, asynclane_pool_bytes            pools kept, and the bytes of the state
+                                                   they hold on the device (K/V caches,
+                                                   canvas, per-row counters; from shapes)
+  asynclane_kv_budget_bytes                        the bound on asynclane_pool_bytes
+                                                   (--kv-budget)
+  asynclane_pool_evictions_total                   pools dropped and idle states released
+  asynclane_compiles_total,                        programs compiled (a pool at a slot
+  asynclane_compile_seconds_total                  count), and the seconds spent on them
   process_*                                        the server process (memory, CPU, files)
 
 Every app has a registry of its own (several apps in one process do not share
@@ -72,14 +76,19 @@ class _EngineCollector:
                     "slots_busy")
         yield gauge("asynclane_pool_slots", "Rows of each pool (requests it decodes at once).",
                     "slots")
-        yield gauge("asynclane_pools", "Compiled pools (one per sampler setting, generation "
+        yield gauge("asynclane_pools", "Pools kept (one per sampler setting, generation "
                     "bucket and prompt bucket).", "pools")
-        yield gauge("asynclane_pool_bytes", "Bytes of the compiled pools' K/V caches (from "
-                    "their shapes).", "pool_bytes")
-        yield CounterMetricFamily("asynclane_compiles", "Pools compiled.",
-                                  value=g.get("compiles", 0))
+        yield gauge("asynclane_pool_bytes", "Bytes of the decode state the pools hold on "
+                    "the device (K/V caches, canvas, per-row counters; from their shapes).",
+                    "pool_bytes")
+        yield gauge("asynclane_kv_budget_bytes", "The bound on asynclane_pool_bytes "
+                    "(--kv-budget).", "kv_budget")
+        yield CounterMetricFamily("asynclane_pool_evictions", "Pools dropped and idle pools' "
+                                  "state released.", value=g.get("evicted", 0))
+        yield CounterMetricFamily("asynclane_compiles", "Programs compiled (a pool at a slot "
+                                  "count).", value=g.get("compiles", 0))
         yield CounterMetricFamily("asynclane_compile_seconds", "Seconds spent compiling "
-                                  "pools.", value=g.get("compile_seconds", 0.0))
+                                  "programs.", value=g.get("compile_seconds", 0.0))
 
 
 class Metrics:

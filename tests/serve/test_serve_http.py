@@ -610,8 +610,8 @@ def test_real_queue_bound_gives_429(real, oai, tok):
 @pytest.mark.slow
 def test_real_metrics_match_the_engine(real, oai, loaded):
     """/metrics on the real engine: a request's tokens and its histograms' observations,
-    and the pools' count, K/V bytes (from the model's shapes) and compiles as the engine
-    holds them."""
+    and the pools' count, held bytes (from the model's shapes), budget and compiles as
+    the engine holds them."""
     import numpy as np
 
     pytest.importorskip("prometheus_client")
@@ -638,11 +638,17 @@ def test_real_metrics_match_the_engine(real, oai, loaded):
     assert delta("asynclane_time_to_first_token_seconds_count", endpoint=chat) == 1
     pools = list(engine.pools.values())  # buckets 64 and 128 at prompt length 64
     itemsize = np.dtype(cfg.jnp_dtype).itemsize
-    kv = sum(2 * cfg.n_layers * engine.slots * p.T * cfg.n_kv_heads * cfg.head_dim * itemsize
-             for p in pools)
+    # Each pool's state from its shapes: the K/V cache's share per row is the model's
+    # arithmetic; the pools hold their state at their current slot count.
+    for p in pools:
+        assert p.shape.kv_per_row == (2 * cfg.n_layers * p.T * cfg.n_kv_heads * cfg.head_dim
+                                      * itemsize)
+    held = sum(p.shape.bytes(p.size) for p in pools)
     assert metric(after, "asynclane_pools") == len(pools) == 2
-    assert metric(after, "asynclane_pool_bytes") == kv > 0
-    assert metric(after, "asynclane_compiles_total") == engine.compiles == 2
+    assert metric(after, "asynclane_pool_bytes") == held > 0
+    assert held <= metric(after, "asynclane_kv_budget_bytes") == engine.kv_budget
+    # Every pool compiled at each slot count (1, 2, 4) at start.
+    assert metric(after, "asynclane_compiles_total") == engine.compiles == 2 * 3
     assert metric(after, "asynclane_compile_seconds_total") == pytest.approx(
         sum(p.compile_time for p in pools))
     assert metric(after, "asynclane_pool_slots") == 4
