@@ -162,16 +162,26 @@ def lane_members(lanes: LaneState, G: int, kinds):
 
 def lane_owner(lanes: LaneState, G: int, kinds):
     """[b, G] int32: the slot whose span [start, end) holds generated position j and
-    whose kind is one of `kinds`; M where none does. The spans of a row's lanes tile its
-    region, so a position lies in at most one of them (were two to overlap, the higher
-    slot would be named). It is one reduction over `lane_members`' [b, G, M] masks; the
-    phases then read lanes per position through this [b, G] array and per lane through
-    segment reductions over it (`per_lane`, `at_owner`), instead of several [b, G, M]
-    operations each."""
-    M = lanes.kind.shape[-1]
-    member = lane_members(lanes, G, kinds)
-    owner = jnp.max(jnp.where(member, jnp.arange(M)[None, None, :], -1), axis=-1)
-    return jnp.where(owner < 0, M, owner).astype(jnp.int32)
+    whose kind is one of `kinds`; M where none does. The spans of a row's lanes are
+    disjoint (they tile its region), so a position lies in at most one of them, and the
+    owner is found in O(G + M) per row instead of over `lane_members`' [b, G, M] masks:
+    each chosen non-empty span marks its start, the latest start at or before j is
+    carried forward (a running maximum), and j belongs to that span when it lies before
+    its end. (Were two spans to overlap, the one with the latest start at or before j
+    would be named when it holds j; were two to start at one position, the higher
+    slot.) The phases then read lanes per position through this [b, G] array and per
+    lane through segment reductions over it (`per_lane`, `at_owner`)."""
+    b, M = lanes.kind.shape
+    rows = jnp.arange(b)[:, None]
+    slots = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32)[None, :], (b, M))
+    chosen = jnp.isin(lanes.kind, jnp.asarray(kinds)) & (lanes.start < lanes.end)
+    at = jnp.where(chosen, lanes.start, G)  # G: dropped
+    mark = jnp.full((b, G), -1, jnp.int32).at[rows, at].max(slots, mode="drop")
+    j = jnp.arange(G, dtype=jnp.int32)[None, :]
+    last = jax.lax.cummax(jnp.where(mark >= 0, j, -1), axis=1)  # latest start <= j
+    cand = jnp.take_along_axis(mark, jnp.maximum(last, 0), axis=1)
+    end = jnp.take_along_axis(lanes.end, jnp.maximum(cand, 0), axis=1)
+    return jnp.where((last >= 0) & (j < end), cand, M).astype(jnp.int32)
 
 
 def per_lane(owner, values, M: int, fill):
@@ -216,7 +226,7 @@ def scatter_predictions(ctx: Context, out: CallOutput):
 
 def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier, *,
                  block_length: int, threshold: float, lookahead: int, draft_threshold: float,
-                 refine_budget: int):
+                 refine_budget: int, refine_owner=None):
     """Which masked positions commit this iteration, in the window and in refine lanes.
 
     Window [win, win + B) (before the tail): every masked position with pconf >=
@@ -241,6 +251,8 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
       lanes: LaneState (win, kind, start, end, split, steps, draft are read).
       frontier: [b] `text_frontier` of the end-of-text before this iteration.
       block_length .. refine_budget: the schedule's settings of those names.
+      refine_owner: [b, G] `lane_owner(lanes, G, (REFINE,))` when the caller has it
+        (computed here when None).
     Returns:
       (new [b, G] int32 gen with the commits, lanes with `draft` [b, G] updated).
     """
@@ -250,7 +262,7 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
     lo = lanes.win[:, None]
     in_win = (j >= lo) & (j < lo + block_length) & (j < frontier[:, None])
     M = lanes.kind.shape[-1]
-    owner_r = lane_owner(lanes, G, (REFINE,))  # [b, G]
+    owner_r = lane_owner(lanes, G, (REFINE,)) if refine_owner is None else refine_owner
     in_r = owner_r < M  # [b, G] the position lies in a refine lane
     refining = jnp.any(in_r & masked, axis=-1, keepdims=True)  # [b, 1]
     cand = masked & in_win & has
@@ -325,7 +337,7 @@ def cascade_phase(ctx: Context, new, lanes: LaneState, *, cascade: bool):
         cuts=(lanes.cuts + jnp.sum(gone | cut, axis=-1)).astype(jnp.int32))
 
 
-def retire_phase(ctx: Context, new, lanes: LaneState) -> LaneState:
+def retire_phase(ctx: Context, new, lanes: LaneState, refine_owner=None) -> LaneState:
     """Refine lanes with no masked position left in their span are done (death = this
     step).
 
@@ -333,11 +345,13 @@ def retire_phase(ctx: Context, new, lanes: LaneState) -> LaneState:
       ctx: the canvas facts (mask_id).
       new: [b, G] int32 generated region after the cascade.
       lanes: LaneState (kind, start, end, death, steps are read).
+      refine_owner: [b, G] `lane_owner(lanes, G, (REFINE,))` of these lanes when the
+        caller has it (computed here when None).
     Returns:
       lanes with kind and death [b, M] updated.
     """
     G, M = new.shape[-1], lanes.kind.shape[-1]
-    owner = lane_owner(lanes, G, (REFINE,))  # [b, G]
+    owner = lane_owner(lanes, G, (REFINE,)) if refine_owner is None else refine_owner
     masked = per_lane(owner, (new == ctx.mask_id).astype(jnp.int32), M, 0) > 0  # [b, M]
     finished = (lanes.kind == REFINE) & ~masked  # [b, M]
     return lanes.replace(kind=jnp.where(finished, DONE, lanes.kind).astype(jnp.int32),
@@ -493,7 +507,7 @@ def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, ren
 
 def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
                   gen_done, *, refresh_travel: int, renew: int = 0, full_travel: int = 0,
-                  renewed=None) -> LaneState:
+                  renewed=None, fresh=None) -> LaneState:
     """Cache bookkeeping: which cached K/V are current, and whether the next call of a
     row must be a full forward.
 
@@ -523,11 +537,14 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
       refresh_travel, renew, full_travel: the schedule's settings (renew 0 where the
         schedule makes no renewals).
       renewed: [b, G] bool, the columns this call renewed (None: no renewal).
+      fresh: [b, G] bool, `fresh_columns` of this call when the caller has it (computed
+        here when None).
     Returns:
       lanes with fresh [b, G] and full_win, renew_win, need_full, need_renew,
       refreshes, renewals [b] updated.
     """
-    fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
+    if fresh is None:
+        fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
 
     full = out.serve & out.full
     renewed_row = out.serve & ~out.full & lanes.need_renew
@@ -744,6 +761,14 @@ class AsyncLaneSchedule(Schedule):
             idle=zeros)
 
     # -- helpers ----------------------------------------------------------------------
+    def _refine_owner(self, st: LaneState, G: int):
+        """[b, G] `lane_owner` of the refine lanes; without forking there are none (no
+        fork makes one), so it is the constant M and what reads it folds away."""
+        if self.forking:
+            return lane_owner(st, G, (REFINE,))
+        b, M = st.kind.shape
+        return jnp.full((b, G), M, jnp.int32)
+
     def _windows(self, st: LaneState, shift: int, G: int):
         """[b, G] masks of the generated columns that the window's and the lookahead's
         queries encode (a target c is queried at c - shift)."""
@@ -801,7 +826,7 @@ class AsyncLaneSchedule(Schedule):
             win_enc, la_enc = self._windows(st, s, G)
             dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc & ~la_enc
             # (Refine lanes lie before the window: the window's queries never cover them.)
-            refine = masked & (lane_owner(st, G, (REFINE,)) < st.kind.shape[-1])
+            refine = masked & (self._refine_owner(st, G) < st.kind.shape[-1])
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
             score = jnp.where(refine, 2.0 + order, jnp.where(dirty, 1.0 + order, ops.NEG_INF))
             top, idx = jax.lax.top_k(score, min(E, G))
@@ -836,27 +861,35 @@ class AsyncLaneSchedule(Schedule):
             renewed = jnp.zeros((ctx.batch, G), bool).at[rows, cols].set(True, mode="drop")
             renewed = renewed & (st.need_renew & ~out.full)[:, None]
         pred, pconf, has = scatter_predictions(ctx, out)
+        owner = self._refine_owner(st, G)  # once per iteration: the plan's lanes
         new, lanes = commit_phase(
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
             block_length=B, threshold=self.threshold, lookahead=self.lookahead,
-            draft_threshold=self.draft_threshold, refine_budget=self.refine_budget)
+            draft_threshold=self.draft_threshold, refine_budget=self.refine_budget,
+            refine_owner=owner)
         new, lanes = cascade_phase(ctx, new, lanes, cascade=self.cascade)
+        # The cascade only terminates lanes and cuts their ends: a position keeps its
+        # refine lane unless that lane is terminated or cut before it.
+        M = lanes.kind.shape[-1]
+        owner = jnp.where((at_owner(owner, lanes.kind, FREE) == REFINE)
+                          & (jnp.arange(G)[None, :] < at_owner(owner, lanes.end, 0)),
+                          owner, M)
         committed = jnp.any((gen == ctx.mask_id) & (new != ctx.mask_id), axis=-1)
         lanes = lanes.replace(idle=(lanes.idle + (out.serve & ~committed)).astype(jnp.int32))
         frontier = text_frontier(lanes.eos, G, self.cascade)
-        lanes = retire_phase(ctx, new, lanes)
+        lanes = retire_phase(ctx, new, lanes, refine_owner=owner)
+        fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
         lanes, fork = fork_phase(
             ctx, new, lanes, frontier, out.serve, block_length=B,
             refine_window=self.refine_window, stable_fraction=self.stable_fraction,
             delimiter_ids=self.delimiter_ids if self.forking else (),
-            fresh=fresh_columns(ctx, gen, new, lanes, out, renewed),
-            query_slots=self.extra_queries)
+            fresh=fresh, query_slots=self.extra_queries)
         lanes, advance, gen_done = advance_phase(ctx, new, lanes, frontier, out.serve, fork,
                                                  block_length=B)
         lanes = refresh_phase(
             ctx, gen, new, lanes, out, advance, gen_done, refresh_travel=self.refresh_travel,
             renew=self.renew if self._renews(ctx) else 0, full_travel=self.full_travel,
-            renewed=renewed)
+            renewed=renewed, fresh=fresh)
         return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve)
 
     def done(self, ctx: Context, canvas, st: LaneState):

@@ -93,6 +93,36 @@ def test_lane_owner_and_the_reductions_over_it():
        [[10, 10, -1, 12, 12, -1, -1], [-1] * 7])
 
 
+def test_lane_owner_matches_the_member_masks_on_random_tilings():
+    # lane_owner finds owners in O(G + M) (a running maximum of span starts); on
+    # disjoint spans it names the slot the [b, G, M] member masks name. Random tilings
+    # of G = 40 in up to 12 slots, with free and empty slots and every kind.
+    rng = np.random.default_rng(0)
+    G, M = 40, 12
+    for _ in range(25):
+        kinds, starts, ends = [], [], []
+        for _row in range(3):
+            cuts = np.sort(rng.choice(np.arange(1, G), size=rng.integers(0, M - 2),
+                                      replace=False))
+            bounds = np.concatenate([[0], cuts, [G]])
+            n = len(bounds) - 1
+            order = rng.permutation(M)[:n]  # slots in any order
+            kind = np.full(M, FREE)
+            start = np.zeros(M, int)
+            end = np.zeros(M, int)
+            kind[order] = rng.choice([GENERATE, REFINE, DONE, TERMINATED], size=n)
+            start[order], end[order] = bounds[:-1], bounds[1:]
+            empty = rng.integers(0, M)  # an empty span of a live kind owns nothing
+            if kind[empty] == FREE:
+                kind[empty], start[empty], end[empty] = REFINE, 7, 7
+            kinds.append(kind), starts.append(start), ends.append(end)
+        st = make_lanes(kinds, starts, ends, G=G)
+        for ks in ((REFINE,), (REFINE, DONE), (GENERATE, REFINE, DONE, TERMINATED)):
+            members = lane_members(st, G, ks)
+            want = jnp.where(jnp.any(members, axis=-1), jnp.argmax(members, axis=-1), M)
+            eq(lane_owner(st, G, ks), want)
+
+
 def test_scatter_predictions():
     # P = 2, G = 4 (T = 6). Row 0 queries predict columns 1 (prompt), 2, 4 and 6 (none).
     ctx = context(4, b=2)
