@@ -1,7 +1,11 @@
 """An OpenAI-compatible HTTP server over the compiled decode loop: `asynclane-jax serve`.
 
   engine    continuous batching over the row slots of the compiled decode loop (the
-            `Engine`: submit, cancel, stats), on a thread of its own.
+            `Engine`: submit, cancel, stats), on a thread of its own, at the smallest
+            slot count that holds the rows, within a memory budget.
+  budget    the budget's arithmetic and the host scheduler that decides each pool's
+            slot count and admissions (`plan`; pure Python).
+  footprint the server's memory from a model's config alone (`serve --dry-run`).
   protocol  OpenAI request bodies read and checked (every field either honoured or a
             400 naming it), and the response / stream chunk bodies.
   guard     the checks before the app: Host and Origin, the API key, JSON only, the

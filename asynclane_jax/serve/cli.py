@@ -11,6 +11,13 @@ largest), or --gen-lengths; a request decodes at the smallest bucket >= its max_
 SIGTERM (or Ctrl-C) stops admitting requests, finishes those in flight (up to
 --drain-timeout; the rest get an error) and exits 0.
 
+Memory: a pool runs at the smallest slot count (1, 2, 4, ... --slots) that holds its
+rows, and all pools' decode state stays within --kv-budget (a request that does not fit
+waits; one that never fits gets a 503). `serve --dry-run` prints the footprint
+(weights, each pool's state, the budget) from the model's config alone:
+
+  asynclane-jax serve --dry-run --model llada-8b-instruct --slots 8 --device-memory 141GiB
+
 Locked by default: on a loopback address only requests that name this machine (Host) and
 come from no web page (or its own origin) are served; anywhere else an API key is
 required (--api-key, --api-key-file or ASYNCLANE_API_KEY), sent as `Authorization: Bearer
@@ -86,6 +93,11 @@ def register(subparsers) -> None:
                    help="pools (sampler setting x generation bucket x prompt bucket) kept "
                         "with their compiled programs; idle ones beyond it are dropped, "
                         "least recently used first (default 32)")
+    p.add_argument("--precompile", choices=("all", "largest", "none"), default="all",
+                   help="at start, compile the default pools at every slot count (all, "
+                        "default: no request waits for a compile), at --slots only "
+                        "(largest: a pool then compiles a smaller count when it first "
+                        "runs one), or none")
     p.add_argument("--dry-run", action="store_true",
                    help="print the server's memory footprint (weights, each pool's state "
                         "per slot count, the budget) from the model's config, without "
@@ -247,7 +259,8 @@ def run(args) -> int:
                         gen_lengths=buckets, chunk=args.chunk, queue_size=args.queue,
                         max_prompt=args.max_prompt, prompt_lengths=prompt_lengths,
                         compile_cache=getattr(args, "compile_cache", None),
-                        kv_budget=kv_budget, max_pools=args.max_pools)
+                        kv_budget=kv_budget, max_pools=args.max_pools,
+                        precompile=args.precompile)
         app = create_app(engine, default_max_tokens=args.default_max_tokens,
                          server_options=options, drain_timeout=args.drain_timeout,
                          security=security, max_prompt_chars=args.max_prompt_chars)

@@ -200,16 +200,16 @@ class _Pool:
         graphdef, params, T, operands = eng.graphdef, eng.params, self.T, self.operands
         t0 = time.perf_counter()
 
-        def init_fn(r, o):
+        def init_fn(p, r, o):  # the weights as an argument: the state lands on their devices
             canvas = jnp.full((b, T), cfg.mask_token_id, jnp.int32)
-            return driver.serve_init(graphdef, params, canvas, r, o, schedule=schedule)
+            return driver.serve_init(graphdef, p, canvas, r, o, schedule=schedule)
 
         rng = jax.random.key(eng.seed)
-        init = jax.jit(init_fn).lower(rng, operands).compile()
-        shardings = init.output_shardings
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                  sharding=s),
-                                jax.eval_shape(init_fn, rng, operands), shardings)
+        init = jax.jit(init_fn).lower(params, rng, operands).compile()
+        # The state as the chunk program is lowered for it: no placement of its own (as
+        # a fresh state from `init` has none), then put where the compiled program
+        # takes it (`shardings`) whenever it is made or moved.
+        abstract = jax.eval_shape(init_fn, params, rng, operands)
         chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o: driver.serve_chunk(
             graphdef, p, st, pad, adm, cin, ret, k, o, schedule=schedule),
             donate_argnums=(1,))
@@ -218,6 +218,7 @@ class _Pool:
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((), jnp.int32),
                 operands)
         fn = chunk.lower(*args).compile()
+        shardings = fn.input_shardings[0][1]
         axes = self.axes
 
         def resize_fn(state, src, valid):
@@ -227,12 +228,17 @@ class _Pool:
             st = jax.tree.unflatten(treedef, moved)
             return st.replace(finished=jnp.where(valid, st.finished, True))
 
-        resize = jax.jit(resize_fn, out_shardings=shardings)
         dt = time.perf_counter() - t0
         self.compile_time += dt
         eng.compiles += 1
         eng.compile_seconds += dt
-        self.programs[b] = (init, fn, resize)
+
+        resize = jax.jit(resize_fn)
+
+        def place(state):
+            return jax.device_put(state, shardings)
+
+        self.programs[b] = (lambda *a: place(init(*a)), fn, lambda *a: place(resize(*a)))
         return self.programs[b]
 
     # -- state ---------------------------------------------------------------------------
@@ -250,7 +256,8 @@ class _Pool:
         init, _, resize = self.program(b)
         if self.state is None or not keep:
             self.state = None  # the old state goes before the new one is made
-            self.state = init(jax.random.key(self.engine.seed), self.operands)
+            self.state = init(self.engine.params, jax.random.key(self.engine.seed),
+                              self.operands)
             self.rows, self.pad_len = [None] * b, np.zeros(b, np.int32)
         else:
             src = np.array(keep + [0] * (b - len(keep)), np.int32)

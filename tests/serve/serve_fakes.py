@@ -75,6 +75,7 @@ class FakeEngine:
 
     POOL_BYTES = 3 << 20
     COMPILE_S = 1.25
+    KV_BUDGET = 64 << 20
 
     def __init__(self, tokenizer, *, sampler="asynclane", options=None, gen_lengths=(64, 128),
                  max_prompt=64, slots=2, queue_size=4, tick=0.002, reply=REPLY):
@@ -146,13 +147,15 @@ class FakeEngine:
 
     def gauges(self):
         """As Engine.gauges: the requests' state, and one pool per generation bucket of
-        POOL_BYTES bytes that took COMPILE_S seconds each to compile."""
+        POOL_BYTES bytes that took COMPILE_S seconds each to compile, within KV_BUDGET
+        bytes, one of them evicted once."""
         reqs = list(self._reqs)
         n = len(self.gen_lengths)
         return {"slots": self.slots, "slots_busy": sum(r["slot"] is not None for r in reqs),
                 "waiting": sum(r["slot"] is None for r in reqs), "pools": n,
                 "pool_bytes": n * self.POOL_BYTES, "compiles": n,
-                "compile_seconds": n * self.COMPILE_S}
+                "compile_seconds": n * self.COMPILE_S, "kv_budget": self.KV_BUDGET,
+                "evicted": 1}
 
     def _end(self, req, reason, error=None, new=()):
         self._reqs.remove(req)

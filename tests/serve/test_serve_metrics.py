@@ -4,7 +4,8 @@ prometheus_client's parser, and its numbers checked against what was sent.
   * Requests by endpoint and status (200s, a 400, 401s, 404s; an unknown path is
     "other"), tokens and prompt tokens equal to the usage the answers reported, the
     latency and time-to-first-token histograms one observation per served completion,
-    the engine's gauges (pools, their bytes, compiles, slots) as the engine reports them;
+    the engine's gauges (pools, the bytes they hold, the budget, compiles, slots) as the
+    engine reports them;
     /metrics itself needs the key.
   * Queue depth and busy slots are read at the scrape, whatever the engine is doing.
   * Each app counts in a registry of its own (two in one process, nothing in the global
@@ -111,6 +112,8 @@ def test_requests_tokens_latency_and_pools_are_counted():
     g = eng.gauges()
     assert (metric(m, "asynclane_pools"), metric(m, "asynclane_pool_bytes")) == (
         g["pools"], g["pool_bytes"]) == (2, 2 * FakeEngine.POOL_BYTES)
+    assert metric(m, "asynclane_kv_budget_bytes") == FakeEngine.KV_BUDGET
+    assert metric(m, "asynclane_pool_evictions_total") == 1
     assert metric(m, "asynclane_compiles_total") == 2
     assert metric(m, "asynclane_compile_seconds_total") == 2 * FakeEngine.COMPILE_S
     assert metric(m, "asynclane_pool_slots") == eng.slots == 2
