@@ -36,6 +36,7 @@ the compiles.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import queue
@@ -354,6 +355,13 @@ class _Emitter:
                 return
             try:
                 self.engine._deliver(*item)
+            except Exception as e:  # a tokenizer or consumer that fails: that request ends
+                req = item[0]
+                req.cancelled = True  # its row is freed (and "cancelled" sent) next chunk
+                if item[3] is not None:  # it was its last update: send why instead
+                    with contextlib.suppress(Exception):
+                        req.on_update(Update([], "", True, "error", len(req.prompt),
+                                             req.sent, f"{type(e).__name__}: {e}"))
             finally:
                 with self._lock:
                     self.pending -= 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 from serve_fakes import MODEL, FakeEngine, ServerThread, body, local_client
 
@@ -191,13 +190,19 @@ def create_app(engine, **kw):
     return make(engine, **kw)
 
 
+def failing_decode(tokens):
+    raise RuntimeError("the tokenizer failed (on purpose)")
+
+
 def test_detokenizing_runs_on_the_emitter_thread(loaded):
     """The engine's thread hands progress to the emitter: on_update runs on the emitter's
-    thread, not the one that runs the chunks."""
+    thread, not the one that runs the chunks; a tokenizer that fails there ends that
+    request with an error, and the engine serves on."""
     model, tok, _ = loaded
     eng = Engine(model, tok, model_name=MODEL, slots=1, gen_lengths=(32,), max_prompt=32,
                  chunk=4)
     threads, done = set(), threading.Event()
+    prompts = ev.prompts_for(tasks.heldout(2))
 
     def on_update(u):
         threads.add(threading.current_thread().name)
@@ -206,9 +211,18 @@ def test_detokenizing_runs_on_the_emitter_thread(loaded):
 
     eng.start()
     try:
-        eng.submit(ev.prompts_for(tasks.heldout(1))[0], max_tokens=32, on_update=on_update)
+        eng.submit(prompts[0], max_tokens=32, on_update=on_update)
         assert done.wait(120)
+        eng._text = failing_decode  # detokenizing, on the emitter's thread
+        failed = Done()
+        eng.submit(prompts[1], max_tokens=32, on_update=failed)
+        assert failed.event.wait(120) and failed.reason in ("error", "cancelled")
+        del eng._text
+        again = Done()
+        eng.submit(prompts[1], max_tokens=32, on_update=again)
+        assert again.event.wait(120) and again.reason in ("stop", "length")
+        assert again.tokens == expected(model, tok, prompts[1], 32)
     finally:
         eng.shutdown()
     assert threads == {"asynclane-emitter"}
-    assert np.all([t.name != "asynclane-engine" for t in threading.enumerate()])
+    assert all(t.name != "asynclane-engine" for t in threading.enumerate())

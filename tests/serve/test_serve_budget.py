@@ -164,6 +164,9 @@ def test_dry_run_sizes_the_8b_server_without_weights(capsys):
 def test_dry_run_refuses_a_bad_budget_or_model(capsys):
     from asynclane_jax import cli
 
+    # The server itself refuses a bad budget before it loads a model.
+    assert cli.main(["serve", "--kv-budget", "8 parsecs"]) == 2
+    assert "--kv-budget" in capsys.readouterr().err
     assert cli.main(["serve", "--dry-run", "--model", "tiny-llada", "--kv-budget",
                      "lots"]) == 2
     assert "--kv-budget 'lots'" in capsys.readouterr().err
