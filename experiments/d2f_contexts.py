@@ -69,8 +69,9 @@ def training_states(dc, n_batches: int, *, ratios_fn=None, policy: str = "fits",
                     seed: int = 0) -> dict:
     """Per answer block index: how often it is trained, how masked its left context is,
     and the masked answer tokens it supervises, over n_batches drawn as the Distiller
-    draws them (bucket policy `policy`). ratios_fn(rng, lengths, blocks) -> [rows,
-    blocks] replaces the sorted draw (to measure a new sampling the same way)."""
+    draws them (bucket policy `policy`). ratios_fn(rng, lengths, blocks) -> (ratios
+    [rows, blocks], queried [rows, blocks] bool) replaces the sorted draw (to measure a
+    new sampling the same way)."""
     from asynclane_jax.testbed import tasks
     from asynclane_jax.testbed import tokenizer as tok
     from asynclane_jax.testbed.train import BucketedStream
@@ -84,7 +85,7 @@ def training_states(dc, n_batches: int, *, ratios_fn=None, policy: str = "fits",
     nb = 512 // BLOCK
     per = {k: {"blocks": 0, "left_masked": [], "masked_answer_tokens": 0,
                "clean_left_masked_answer_tokens": 0, "long_row_ratio": [],
-               "long_row_left": []}
+               "long_row_left": [], "long_row_queried": []}
            for k in range(nb)}
     lengths = []
     for _ in range(n_batches):
@@ -93,21 +94,25 @@ def training_states(dc, n_batches: int, *, ratios_fn=None, policy: str = "fits",
         blocks = n_resp // BLOCK
         lens = answer_lengths(batch, dc.prompt_length, eos)
         lengths.extend(int(x) for x in lens)
-        ratios = (sorted_ratios(mrng, len(lens), blocks, dc.t_eps) if ratios_fn is None
-                  else ratios_fn(mrng, lens, blocks))
+        ratios, queried = ((sorted_ratios(mrng, len(lens), blocks, dc.t_eps),
+                            np.ones((len(lens), blocks), bool)) if ratios_fn is None
+                           else ratios_fn(mrng, lens, blocks))
         col_ratio = np.repeat(ratios, BLOCK, axis=1)
         masked = mrng.uniform(size=col_ratio.shape) < col_ratio
         for r, n_ans in enumerate(lens):
             for k in range(-(-int(n_ans) // BLOCK)):
                 lo, hi = k * BLOCK, min((k + 1) * BLOCK, int(n_ans))
                 left = float(masked[r, :lo].mean()) if lo else 0.0
-                sup = int(masked[r, lo:hi].sum())
+                # the masked answer tokens the loss reads (a block it does not query
+                # supervises nothing)
+                sup = int(masked[r, lo:hi].sum()) if queried[r, k] else 0
                 per[k]["blocks"] += 1
                 per[k]["left_masked"].append(left)
                 per[k]["masked_answer_tokens"] += sup
                 if n_ans > FAR:
                     per[k]["long_row_ratio"].append(float(ratios[r, k]))
                     per[k]["long_row_left"].append(left)
+                    per[k]["long_row_queried"].append(bool(queried[r, k]))
                 if left == 0.0:
                     per[k]["clean_left_masked_answer_tokens"] += sup
     out = {}
@@ -115,6 +120,7 @@ def training_states(dc, n_batches: int, *, ratios_fn=None, policy: str = "fits",
         lm = np.asarray(d["left_masked"])
         lr = np.asarray(d["long_row_ratio"])
         ll = np.asarray(d["long_row_left"])
+        lq = np.asarray(d["long_row_queried"], bool)
         out[k] = {"answer_blocks_per_batch": d["blocks"] / n_batches,
                   "masked_answer_tokens_per_batch": d["masked_answer_tokens"] / n_batches,
                   "clean_left_masked_answer_tokens_per_batch":
@@ -131,9 +137,10 @@ def training_states(dc, n_batches: int, *, ratios_fn=None, policy: str = "fits",
                   "long_row_ratio_at_least_0.9_share":
                       float((lr >= 0.9).mean()) if len(lr) else None,
                   # per batch: this block of a long answer at ratio >= 0.5 with at most 5%
-                  # of its left context masked (the state decoding writes it from)
+                  # of its left context masked (the state decoding writes it from), and
+                  # read by the loss
                   "long_row_decode_like_per_batch":
-                      float(((lr >= 0.5) & (ll <= 0.05)).sum() / n_batches)}
+                      float(((lr >= 0.5) & (ll <= 0.05) & lq).sum() / n_batches)}
     lengths = np.asarray(lengths)
     return {"per_block": out, "rows_per_batch": len(lengths) / n_batches,
             "answer_over_256_rows_per_batch": float((lengths > FAR).sum() / n_batches),
@@ -370,9 +377,10 @@ def decode_state_draw(p_decode: float = 0.75, in_flight: int = 4, t_eps: float =
     def fn(rng, lengths, blocks):
         answer = np.clip(np.asarray(lengths) // BLOCK + 1, 1, blocks)
         key = jax.random.key(int(rng.integers(2**31)))
-        return np.asarray(decode_state_ratios(key, jnp.asarray(answer, jnp.int32), blocks,
+        ratios, queried = decode_state_ratios(key, jnp.asarray(answer, jnp.int32), blocks,
                                               t_eps=t_eps, p_decode=p_decode,
-                                              in_flight=in_flight))
+                                              in_flight=in_flight)
+        return np.asarray(ratios), np.asarray(queried)
 
     return fn
 

@@ -64,7 +64,8 @@ def answer_blocks(tokens, prompt_length: int, block_length: int, eos_id: int):
 
 def decode_state_ratios(key, n_answer_blocks, n_blocks: int, *, t_eps: float,
                         p_decode: float, in_flight: int):
-    """[b, n_blocks] mask ratio of each response block.
+    """(ratios [b, n_blocks] mask ratio of each response block, queried [b, n_blocks]
+    bool: the blocks whose masked positions the loss reads).
 
     A share p_decode of the rows get a state of pipelined decoding: a first in-flight
     block f drawn uniformly in [0, n_answer_blocks) of its row, a window of w blocks (w
@@ -72,8 +73,10 @@ def decode_state_ratios(key, n_answer_blocks, n_blocks: int, *, t_eps: float,
     cached) and those after the window fully masked (ratio 1: not yet added). Block f's
     ratio is uniform in [t_eps, 1] (decoding takes each block through every ratio with
     the blocks before it done), the window's later blocks' ratios are drawn in
-    [ratio of f, 1] and sorted to rise. The other rows get the sorted rising ratios of
-    `distill.distill_loss`.
+    [ratio of f, 1] and sorted to rise. Only the window is queried: decoding never asks
+    for a block it has not added, so the masked blocks after the window are there for
+    the teacher to read, not to train on. The other rows get the sorted rising ratios
+    of `distill.distill_loss`, every block queried.
     """
     b = n_answer_blocks.shape[0]
     k_s, k_u, k_w, k_f, k_d = jax.random.split(key, 5)
@@ -92,25 +95,30 @@ def decode_state_ratios(key, n_answer_blocks, n_blocks: int, *, t_eps: float,
     win = jnp.where(idx == f, r_f, r_f + (1 - r_f) * later)
     state = jnp.where(idx < f, 0.0, jnp.where(in_win, win, 1.0))
     decode = jax.random.uniform(k_d, (b, 1)) < p_decode
-    return jnp.where(decode, state, sorted_r)
+    return jnp.where(decode, state, sorted_r), ~decode | (idx < f + w)
 
 
 def decode_state_loss(student, teacher, batch: dict, key, *, block_length: int,
                       prompt_length: int, t_eps: float, p_decode: float, in_flight: int):
-    """`distill.distill_loss` with the ratios of `decode_state_ratios` (its loss, its
-    aux); a clean block (ratio 0) has no masked position and adds nothing."""
+    """`distill.distill_loss` with the states of `decode_state_ratios` (its loss, its
+    aux, read at the queried blocks' masked positions); a clean block (ratio 0) has no
+    masked position and adds nothing."""
     cfg = student.cfg
     tokens, response, key_mask = batch["tokens"], batch["response"], batch["key_mask"]
     b, n = tokens.shape
     nb = -(-(n - prompt_length) // block_length)
     k_r, k_m = jax.random.split(key)
-    ratios = decode_state_ratios(
+    ratios, queried = decode_state_ratios(
         k_r, answer_blocks(tokens, prompt_length, block_length, cfg.eos_token_id), nb,
         t_eps=t_eps, p_decode=p_decode, in_flight=in_flight)
     col_ratio = jnp.concatenate(
         [jnp.ones((b, prompt_length)), jnp.repeat(ratios, block_length, axis=1)], axis=1)[:, :n]
+    col_queried = jnp.concatenate(
+        [jnp.zeros((b, prompt_length), bool), jnp.repeat(queried, block_length, axis=1)],
+        axis=1)[:, :n]
     masked = response & (jax.random.uniform(k_m, (b, n)) < col_ratio)
     noisy = jnp.where(masked, cfg.mask_token_id, tokens)
+    masked = masked & col_queried  # the positions the loss reads
     ids = jnp.broadcast_to(jnp.asarray(distill.block_ids(n, prompt_length, block_length)),
                            (b, n))
     s_logits = student(noisy, key_mask=key_mask, block_ids=ids)

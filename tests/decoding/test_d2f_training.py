@@ -37,10 +37,11 @@ def test_answer_blocks_counts_the_blocks_up_to_the_first_end_of_text(train_d2f):
 def test_decode_states_are_clean_then_rising_then_fully_masked(train_d2f):
     nb, n = 16, 4000
     answer = jnp.asarray(np.random.default_rng(0).integers(1, nb + 1, n), jnp.int32)
-    r = np.asarray(train_d2f.decode_state_ratios(jax.random.key(1), answer, nb, t_eps=0.05,
-                                                 p_decode=1.0, in_flight=4))
-    assert r.shape == (n, nb)
-    for row, a in zip(r, np.asarray(answer)):
+    r, queried = train_d2f.decode_state_ratios(jax.random.key(1), answer, nb, t_eps=0.05,
+                                               p_decode=1.0, in_flight=4)
+    r, queried = np.asarray(r), np.asarray(queried)
+    assert r.shape == queried.shape == (n, nb)
+    for row, q, a in zip(r, queried, np.asarray(answer)):
         clean = np.nonzero(row == 0.0)[0]
         full = np.nonzero(row == 1.0)[0]
         window = np.nonzero((row > 0.0) & (row < 1.0))[0]
@@ -50,6 +51,8 @@ def test_decode_states_are_clean_then_rising_then_fully_masked(train_d2f):
         assert 1 <= len(window) <= 4
         assert np.all(np.diff(row[window]) >= 0) and np.all(row[window] >= 0.05)
         assert full.tolist() == list(range(f + len(window), nb))
+        # The loss reads the window only (the blocks before it have no masks).
+        assert np.nonzero(q)[0].tolist() == list(range(f + len(window)))
     # The first in-flight block's own ratio is uniform in [t_eps, 1]: decoding takes
     # every block, the first ones of a long answer too, from fully masked down.
     f_all = (r == 0.0).sum(axis=1)
@@ -65,11 +68,14 @@ def test_decode_states_are_clean_then_rising_then_fully_masked(train_d2f):
 
 def test_p_decode_zero_is_the_sorted_draw(train_d2f):
     answer = jnp.full((500,), 16, jnp.int32)
-    r = np.asarray(train_d2f.decode_state_ratios(jax.random.key(2), answer, 16, t_eps=0.05,
-                                                 p_decode=0.0, in_flight=4))
+    r, queried = train_d2f.decode_state_ratios(jax.random.key(2), answer, 16, t_eps=0.05,
+                                               p_decode=0.0, in_flight=4)
+    r = np.asarray(r)
     assert np.all(np.diff(r, axis=1) >= 0) and r.min() >= 0.05 and r.max() < 1.0
+    assert np.all(np.asarray(queried))
     mixed = np.asarray(train_d2f.decode_state_ratios(jax.random.key(2), answer, 16,
-                                                     t_eps=0.05, p_decode=0.5, in_flight=4))
+                                                     t_eps=0.05, p_decode=0.5,
+                                                     in_flight=4)[0])
     share = np.mean(np.any(mixed == 1.0, axis=1) | np.any(mixed == 0.0, axis=1))
     assert 0.4 < share < 0.6
 
