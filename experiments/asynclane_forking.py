@@ -12,7 +12,6 @@ and model calls per token:
     once);
   forks, refine lanes (lanes forked with masks left) and their mean lifetime in
     iterations (death - split);
-  renewals: mean renewal calls per problem (AsyncLane);
   wrong: length / value: wrong answers with a wrong number of lines (the answer sized
     wrongly) and with the right number (a wrong value);
   acc_diff_vs: accuracy minus the reference variant's on the same problems, with a 95%
@@ -39,8 +38,9 @@ import numpy as np
 RESULTS = pathlib.Path(__file__).parent / "results" / "asynclane"
 # Results saved before the defaults changed (forking on, refresh_travel=32, no
 # relaxation, no visible horizon) ran `asynclane` with the old defaults, whose options
-# (relaxed_threshold, horizon, refresh_at_fork, fork_when_fresh) have since been removed
-# (docs/asynclane.md, "Removed options"); their JSON files name them in their meta.
+# (relaxed_threshold, horizon, refresh_at_fork, fork_when_fresh, renew) have since been
+# removed (docs/asynclane.md, "Removed options"); their JSON files name them in their
+# meta, and their rows hold the mean renewal calls per problem (`renewals`).
 EQUAL_FOOTING = "cascade=true:early_stop=true:cache=dual"  # the bench's (c), dual cache
 DEFAULT_VARIANTS = (
     "lanes-off=asynclane:max_lanes=1",
@@ -103,8 +103,6 @@ def record(res, problems, idx, check) -> list[dict]:
                "calls": int(st.row_nfe_full[r] + st.row_nfe_partial[r]),
                "full_calls": int(st.row_nfe_full[r]), "steps": int(st.row_steps[r]),
                **line_counts(problems[idx[r]], row)}
-        if getattr(st, "renewals", None) is not None:
-            rec["renewals"] = int(st.renewals[r])
         if getattr(st, "idle_steps", None) is not None:
             split, death = st.lane_split[r], st.lane_death[r]
             life = [int(d - s) for s, d in zip(split, death) if s >= 0 and d > s]
@@ -134,8 +132,6 @@ def summarize(recs: list[dict], wall: float) -> dict:
             "refine_lanes": len(life) / len(recs),
             "refine_lifetime": float(np.mean(life)) if life else None,
             "full_calls": float(np.mean([r["full_calls"] for r in recs])),
-            "renewals": (float(np.mean([r["renewals"] for r in recs]))
-                         if all("renewals" in r for r in recs) else None),
             # wrong answers by kind: a wrong number of lines, or the right number
             "wrong_length": sum(not r["ok"] and r["lines_out"] != r["lines_ref"]
                                 for r in recs),
@@ -218,8 +214,7 @@ def main() -> int:
             "command": shlex.join(["python", "experiments/asynclane_forking.py",
                                    *sys.argv[1:]])}
     head = ("variant", "accuracy", "diff vs ref [95% CI]", "tok/s", "calls/token", "steps",
-            "idle", "overlap", "forks", "refine lanes", "lifetime", "renewals",
-            "wrong: length / value")
+            "idle", "overlap", "forks", "refine lanes", "lifetime", "wrong: length / value")
     print(" | ".join(head))
     for r in rows:
         d = r[f"acc_diff_vs_{variants[ref][0]}"]
@@ -230,7 +225,6 @@ def main() -> int:
                           f"{r['steps']:.2f}", f"{r['idle']:.2f}", f"{r['overlap']:.2f}",
                           f"{r['forks']:.2f}", f"{r['refine_lanes']:.2f}",
                           "-" if r["refine_lifetime"] is None else f"{r['refine_lifetime']:.2f}",
-                          "-" if r["renewals"] is None else f"{r['renewals']:.2f}",
                           f"{r['wrong_length']} / {r['wrong_value']}"]))
     out = pathlib.Path(args.out or RESULTS / f"asynclane_forking_{pathlib.Path(args.model).name}"
                        f"_{G}.json")

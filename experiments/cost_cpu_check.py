@@ -34,8 +34,7 @@ DEFAULT_OUT = ROOT / "experiments" / "results" / "cost" / "cpu_check"
 SAMPLERS = ("d2f@{model}-d2f,fast-dllm:cache=dual,localleap:cache=dual,eb,"
             "fast-dllm:cache=dual:early_stop=true,"
             "fast-dllm:cache=dual:cascade=true:early_stop=true:threshold=0.9,"
-            "fast-dllm:cache=dual:cascade=true:early_stop=true:renew=256:threshold=0.9,"
-            "asynclane,asynclane:renew=256")
+            "asynclane")
 def _dirty() -> str:
     """' (with uncommitted edits to asynclane_jax)' when the package's files differ
     from the commit, else ''."""

@@ -7,7 +7,8 @@ bookkeeping) and restates the public reference code's semantics:
 - ``dream_reference``: Dream's ``diffusion_generate`` (``generation_utils.py``).
 - ``fast_dllm``: NVlabs/Fast-dLLM ``llada/generate.py`` (threshold and factor variants,
   prefix and dual cache) and, for Dream models, ``dream/model/generation_utils_block.py``.
-- ``localleap``: BASELINES.md section 4 (no public code), on the Fast-dLLM skeleton.
+- ``localleap``: docs/baselines.md, ``localleap`` (no public code), on the Fast-dLLM
+  skeleton.
 
 Only the sampler logic is restated here; logits come from the model under test
 (``model(...)`` for full forwards, ``model.forward_cached(...)`` for cached ones).
@@ -546,7 +547,7 @@ def fast_dllm(model, prompt, *, gen_length, block_length, threshold=0.9, factor=
 
 def localleap(model, prompt, *, gen_length, block_length, threshold=0.9,
               relaxed_threshold=0.75, radius=4, cache="none", temperature=0.0, seed=0):
-    """LocalLeap (BASELINES.md section 4) on the Fast-dLLM block loop and caches.
+    """LocalLeap (docs/baselines.md) on the Fast-dLLM block loop and caches.
 
     Among the masked in-block candidates: the top-1 always commits; anchors are the
     candidates with confidence >= threshold (they commit); a candidate within ``radius``

@@ -8,15 +8,15 @@ fastest baseline of each:
   (b) `early-stop`: the baselines with early_stop=true (no cascade);
   (c) `equal-footing`: the baselines given the mid-block cascade of the sampler under
     study (cascade=true; the default specs add early_stop=true and run each baseline
-    at its published threshold and at AsyncLane's, reporting the faster) and the
-    renewal calls (`renew`) that the row of the sampler under study uses. A row of the
-    sampler under study meets the fastest (c) row of its own footing (`footing`: renew,
-    the sampler's default when not given), so the default asynclane meets the (c) rows
-    without renewals and `asynclane:renew=256` those with renew=256.
-Rows of the sampler under study are in the comparison named after it (`asynclane`); a
-baseline with renewals but no cascade is `other` and in no comparison. (Results files
-written before the visible horizon was removed hold rows with a `horizon` option; their
-stored comparison fields are what the report renders.)
+    at its published threshold and at AsyncLane's, reporting the faster).
+Rows of the sampler under study are in the comparison named after it (`asynclane`).
+
+Results files hold rows of options since removed. A row with `renew` > 0 (renewal
+calls, an option of AsyncLane and of the dual-cache baselines until they were removed)
+keeps its footing: it meets only (c) rows of the same `renew` (`footing`), and a
+baseline with renewals but no cascade is `other`, in no comparison. Rows with a
+`horizon` option (the visible horizon, removed before) are rendered from their stored
+comparison fields.
 
 What a sampler is to these rules, its schedule class declares (decoding/schedule.py):
 `under_study` (True for AsyncLane), and `footing_options`, the options it takes among
@@ -29,7 +29,7 @@ Fields filled (bench.runner.COMPARISON_FIELDS):
     the (a) published rows (None when there is none);
   speedup_vs_fastest_early_stop: the same over the (b) early-stop rows;
   speedup_vs_fastest_equal_footing: the same over the (c) equal-footing rows with the
-    row's footing (its renewals);
+    row's footing;
   speedup_family_vs_equal_footing: per family, tps_family over the highest tps_family
     of the (c) rows of the row's footing (None without such rows).
 """
@@ -40,9 +40,8 @@ from asynclane_jax.bench.runner import SPEEDUP_FIELDS
 from asynclane_jax.bench.spec import sampler_of, schedule_class
 
 # The footing options by role: early_stop (stop once a finished block holds an
-# end-of-text), cascade (an end-of-text committed ends the row at once) and renew
-# (positions re-encoded by a renewal call; 0: none).
-FOOTING_ROLES = ("early_stop", "cascade", "renew")
+# end-of-text) and cascade (an end-of-text committed ends the row at once).
+FOOTING_ROLES = ("early_stop", "cascade")
 # The comparisons: the row field's value -> the speed-up field against its fastest row.
 COMPARISONS = dict(zip(("published", "early-stop", "equal-footing"), SPEEDUP_FIELDS))
 OTHER = "other"
@@ -84,25 +83,16 @@ def comparison_of(sampler: str, options: dict) -> str:
 
     if on("cascade") is True:
         return "equal-footing"
-    if on("renew"):
+    if options.get("renew"):  # a results file's row with renewal calls (docstring)
         return OTHER
     return "early-stop" if on("early_stop") is True else "published"
 
 
 def footing(row: dict) -> int:
-    """The renew of a row: its option, else its sampler's default (0 where the sampler
-    declares no such role). A (c) row meets a row of the sampler under study of the
-    same footing only."""
-    import dataclasses
-
-    roles, cls = _declared(sampler_of(row["sampler"]))
-    if "renew" not in roles:
-        return 0
-    if "renew" in row["options"]:
-        return int(row["options"]["renew"] or 0)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)} if cls else {}
-    d = defaults.get("renew")
-    return int(d or 0) if isinstance(d, int) else 0
+    """The footing a (c) row must share to meet a row: its `renew` as written (0 for
+    every sampler today; results files hold rows with renewal calls, module
+    docstring)."""
+    return int(row["options"].get("renew") or 0)
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:

@@ -34,12 +34,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "- (c) equal footing: block baselines given AsyncLane's mid-block cascade "
               "(cascade=true; the default specs add early_stop=true and run each baseline "
               "at its published threshold, 0.9, and at AsyncLane's, 0.95, keeping the "
-              "faster: `chosen options` names it) and the renewal calls AsyncLane's row "
-              "uses (none by default; with renew=256 the refreshes are renewals: the "
-              "block before the window and the 256 positions after it are re-encoded in "
-              "a wide cached call instead of a full forward, where that call is narrower "
-              "than the canvas). An asynclane row is compared with the (c) rows of its "
-              "own footing (renew).",
+              "faster: `chosen options` names it).",
               "- asynclane rows are compared with each; `other` rows with none.", ""]
     if meta.get("project_model"):
         lines += [PROJECTION_NOTE.format(model=meta["project_model"]), ""]

@@ -18,14 +18,11 @@ from asynclane_jax.errors import UsageError
 
 # The (c) specs (bench.compare): the baselines given the footing options of the sampler
 # under study (its cascade, with early stop; its threshold beside the baseline's
-# published one, the faster reported), and with the renewal calls it offers as an
-# option (renew=256, the dual cache; met by `asynclane:renew=256`).
+# published one, the faster reported).
 EQUAL_FOOTING = "cascade=true:early_stop=true:threshold=0.9|0.95"
-RENEWAL = "cache=dual:renew=256"
 DEFAULT_SAMPLERS = ("vanilla", "fast-dllm", "localleap", "fast-dllm:early_stop=true",
                     "localleap:early_stop=true", f"fast-dllm:{EQUAL_FOOTING}",
-                    f"localleap:{EQUAL_FOOTING}", f"fast-dllm:{EQUAL_FOOTING}:{RENEWAL}",
-                    f"localleap:{EQUAL_FOOTING}:{RENEWAL}", "asynclane", "asynclane:renew=256")
+                    f"localleap:{EQUAL_FOOTING}", "asynclane")
 DEFAULT_GEN_LENGTHS = (128, 256, 512)
 
 

@@ -13,29 +13,22 @@ refresh are masked array updates; one program per (settings, shapes).
 
 One iteration (per row):
   1. Query set (shared-prefix lane batching). One cached call queries, against the K/V
-     of the whole canvas: the generate window (B), a lookahead window after it (W), and
-     `extra_queries` (E) positions picked by priority: first the refine lanes' masked
-     positions, earliest first, then *dirty* positions (committed since their cached
-     K/V was computed: re-encoding them is the compact cache refresh).
+     of the whole canvas: the generate window (B) and `extra_queries` (E) positions
+     picked by priority: first the refine lanes' masked positions, earliest first, then
+     *dirty* positions (committed since their cached K/V was computed: re-encoding them
+     is the compact cache refresh).
   2. Full refresh. A row's first call is a full forward over the canvas; so is its call
      after the window moves to a new block, as Fast-dLLM's dual cache does, and once the
      window has moved `refresh_travel` positions (32 by default) since the last one, by
      forks or advances. Its logits decode that step. Rows that need no refresh wait for
      one iteration while a full forward serves the rows that do (so each row decodes
-     exactly as it would alone). With `renew` > 0 (off by default), the refreshes at
-     advances and by travel are renewals instead: the row's next cached call also
-     re-encodes the renew_back positions before the window and the renew positions
-     after it (a second, wider call shape in the same loop); the other rows are served
-     by the same call.
-  3. Commit. Window: every masked position with confidence >= threshold; lookahead
-     draft reuse: a position whose prediction equals the draft made for it while it
-     was in the lookahead window commits at draft_threshold; and the most confident
-     position, unless a refine lane is open (then the continuation commits only what
-     it is sure of). Refine lanes: the same rules; a lane older than refine_budget
-     iterations also commits its most confident position each iteration. While a
-     refine lane is open, one commit is forced every iteration: the refine lanes'
-     most confident position, else the window's, so forking never idles. Lookahead
-     positions never commit; their predictions become drafts.
+     exactly as it would alone).
+  3. Commit. Window: every masked position with confidence >= threshold, and the most
+     confident position, unless a refine lane is open (then the continuation commits
+     only what it is sure of). Refine lanes: the same threshold; a lane older than
+     refine_budget iterations also commits its most confident position each iteration.
+     While a refine lane is open, one commit is forced every iteration: the refine
+     lanes' most confident position, else the window's, so forking never idles.
   4. Cascading termination. An end-of-text committed at p makes every later position
      end-of-text; lanes starting after p are terminated, a lane straddling p is cut
      there, and no call is spent on the tail.
@@ -45,31 +38,19 @@ One iteration (per row):
      (no full forward at a fork). A refine lane with no masks left is done. A row is
      finished when no generated position is masked.
 
-Defaults (why each, with the measurements: docs/asynclane.md, "Defaults, and why"; the
-current benches: experiments/results/bench/bench_tiny-llada-v4b.md and
-experiments/results/bench/bench_tiny-dream-v4.md): forking at newlines (one lane slot
-per 8 generated positions, at least 16), a full forward once the window has travelled a
-block (refresh_travel=32), a threshold of 0.95 (Fast-dLLM publishes 0.9: on both v4
-testbed models at gen_length 512 the higher one rights math answers whose final answer
-the first full forward commits wrongly between 0.9 and 0.95, at the same speed;
-experiments/results/bench/bench_tiny-llada-v4b_threshold.md and
-experiments/results/bench/bench_tiny-dream-v4_threshold.md), no lookahead, and the
-cascade. Renewal calls (renew=256: the block before the window and the 256 positions
-after it re-encoded in a wide cached call instead of a full forward) are an option: on
-tiny-llada-v4b at gen_length 512 they are faster at the same overall accuracy, but they
-move accuracy between answer lengths: answers of 129-256 tokens gain, and answers longer
-than 256 tokens lose, falling well under vanilla's
-(experiments/results/bench/bench_tiny-llada-v4b.md, rows `asynclane` and
-`asynclane:renew=256`; experiments/results/asynclane/log.md, "Renewals off by
-default"). The default keeps every length bucket close to vanilla's. max_lanes=1 turns
-the lanes off.
+Defaults (why each, with the measurements: docs/asynclane.md, "The options and their
+defaults"): forking at newlines (one lane slot per 8 generated positions, at least 16),
+a full forward once the window has travelled a block (refresh_travel=32), a threshold of
+0.95 (Fast-dLLM publishes 0.9; the higher one rights math answers at the same speed on
+both v4 testbed models), and the cascade. max_lanes=1 turns the lanes off. Lookahead
+draft reuse and renewal calls (a refresh as a wide cached call) were options and are
+removed: docs/asynclane.md, "Removed options".
 
 Dream's logit shift: every query for a column c is made at c - 1 (schedule.py), in full
 and cached calls alike, so every column of the window gets a prediction in every call.
 
-With Fast-dLLM's threshold (0.9, or any other both are given), one lane, no lookahead,
-the cascade off, extra_queries=0 and full forwards for refreshes (renew=0, or a canvas
-too short for a renewal), AsyncLane decodes exactly as Fast-dLLM's threshold sampler
+With Fast-dLLM's threshold (0.9, or any other both are given), one lane, the cascade
+off and extra_queries=0, AsyncLane decodes exactly as Fast-dLLM's threshold sampler
 with a dual cache on LLaDA models (tests/decoding/asynclane/test_asynclane.py checks it
 token for token).
 """
@@ -111,17 +92,13 @@ class LaneState:
     death: jax.Array  # [b, M] row iteration of finish or termination, -1 alive
     split: jax.Array  # [b, M] row iteration at which the lane forked (became refine), -1
     fresh: jax.Array  # [b, G] bool: the cached K/V of the column was computed from its token
-    draft: jax.Array  # [b, G] int32 lookahead prediction, -1 none
     eos: jax.Array  # [b] first committed end-of-text (generated index), G if none
     need_full: jax.Array  # [b] bool: the row's next call must be a full forward
-    need_renew: jax.Array  # [b] bool: the row's next cached call is a renewal (wide) call
     full_win: jax.Array  # [b] window start after the row's last full forward (0 at first)
-    renew_win: jax.Array  # [b] window start after the row's last full forward or renewal
     steps: jax.Array  # [b] iterations that served the row
     forks: jax.Array  # [b]
     peak: jax.Array  # [b] most active lanes at once
     refreshes: jax.Array  # [b] full forwards that served the row
-    renewals: jax.Array  # [b] renewal calls that served the row
     cuts: jax.Array  # [b] lanes terminated or cut by an end-of-text
     idle: jax.Array  # [b] served iterations that committed no position
 
@@ -225,16 +202,12 @@ def scatter_predictions(ctx: Context, out: CallOutput):
 
 
 def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier, *,
-                 block_length: int, threshold: float, lookahead: int, draft_threshold: float,
-                 refine_budget: int, refine_owner=None):
+                 block_length: int, threshold: float, refine_budget: int, refine_owner=None):
     """Which masked positions commit this iteration, in the window and in refine lanes.
 
     Window [win, win + B) (before the tail): every masked position with pconf >=
-    threshold; with a lookahead, a position whose prediction equals its draft, at
-    min(draft_threshold, threshold). Refine lanes: the same rules; a lane forked at
-    least refine_budget iterations ago also commits its most confident position (ties:
-    all of them). The predictions made for the lookahead [win + B, win + B + W) become
-    its drafts; lookahead positions never commit.
+    threshold. Refine lanes: the same threshold; a lane forked at least refine_budget
+    iterations ago also commits its most confident position (ties: all of them).
 
     The forced commit that guarantees progress. While no refine lane of the row holds a
     mask, the window's most confident candidate always commits (block decoding). While
@@ -248,13 +221,13 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
       ctx: the canvas facts (mask_id).
       gen: [b, G] int32 generated region before this iteration.
       pred, pconf, has: [b, G] from `scatter_predictions`.
-      lanes: LaneState (win, kind, start, end, split, steps, draft are read).
+      lanes: LaneState (win, kind, start, end, split, steps are read).
       frontier: [b] `text_frontier` of the end-of-text before this iteration.
       block_length .. refine_budget: the schedule's settings of those names.
       refine_owner: [b, G] `lane_owner(lanes, G, (REFINE,))` when the caller has it
         (computed here when None).
     Returns:
-      (new [b, G] int32 gen with the commits, lanes with `draft` [b, G] updated).
+      new [b, G] int32 gen with the commits.
     """
     G = gen.shape[-1]
     j = jnp.arange(G)[None, :]
@@ -274,8 +247,6 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
     rcand = masked & has & in_r  # [b, G]
     top1 = best_of(cand) & ~refining
     ok = pconf >= threshold
-    if lookahead:  # a prediction that repeats its draft is trusted at a lower bar
-        ok = ok | ((lanes.draft == pred) & (pconf >= min(draft_threshold, threshold)))
     commit = (cand & ok) | top1
 
     lane_best = per_lane(owner_r, jnp.where(rcand, pconf, ops.NEG_INF), M,
@@ -288,13 +259,7 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
     has_r = jnp.any(rcand, axis=-1, keepdims=True)
     forced = jnp.where(has_r, best_of(rcand), best_of(cand))
     commit = commit | (refining & forced)
-    new = jnp.where(commit, pred, gen)
-
-    draft = lanes.draft
-    if lookahead:
-        in_la = (j >= lo + block_length) & (j < lo + block_length + lookahead)
-        draft = jnp.where(in_la & masked & has, pred, draft)
-    return new, lanes.replace(draft=draft)
+    return jnp.where(commit, pred, gen)
 
 
 def cascade_phase(ctx: Context, new, lanes: LaneState, *, cascade: bool):
@@ -488,26 +453,22 @@ def advance_phase(ctx: Context, new, lanes: LaneState, frontier, serve, fork, *,
         peak=jnp.maximum(lanes.peak, active).astype(jnp.int32)), advance, gen_done
 
 
-def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, renewed=None):
+def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput):
     """[b, G] bool: the generated columns whose cached K/V are current after this call:
     the call encoded them (a full forward encodes every column; a query at column c
-    encodes c; `renewed` [b, G], when given, the columns a renewal call re-encoded) or
-    they were fresh, and their token did not change (a commit makes a column dirty: its
-    cached K/V were computed from the mask)."""
+    encodes c) or they were fresh, and their token did not change (a commit makes a
+    column dirty: its cached K/V were computed from the mask)."""
     P, G, T = ctx.prompt_len, ctx.gen_length, ctx.length
     rows = jnp.arange(ctx.batch)[:, None]
     # A query at column c encodes c (the target c + shift is what it predicts).
     enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
     encoded = jnp.zeros((ctx.batch, G), bool).at[rows, enc].set(True, mode="drop")
-    if renewed is not None:
-        encoded = encoded | renewed
     encoded = jnp.where(out.full, True, encoded) & out.serve[:, None]
     return (lanes.fresh | encoded) & (new == gen)
 
 
 def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, advance,
-                  gen_done, *, refresh_travel: int, renew: int = 0, full_travel: int = 0,
-                  renewed=None, fresh=None) -> LaneState:
+                  gen_done, *, refresh_travel: int, fresh=None) -> LaneState:
     """Cache bookkeeping: which cached K/V are current, and whether the next call of a
     row must be a full forward.
 
@@ -520,53 +481,31 @@ def refresh_phase(ctx: Context, gen, new, lanes: LaneState, out: CallOutput, adv
     more since the row's last full forward (by forks as well as advances: a fork moves
     the window without an advance).
 
-    With renew > 0 these refreshes (travel counted since the last full forward or
-    renewal) are renewals instead: the row's next cached call is wide
-    (`renewal_columns`); a full forward is then due only (full_travel > 0) once the
-    window has moved full_travel positions since the last one. A row due a full forward
-    is not also due a renewal.
-
     Args:
       ctx: the canvas facts (P, G, T, shift).
       gen: [b, G] int32 generated region before this iteration.
       new: [b, G] int32 after the cascade.
-      lanes: LaneState after the advance (win, fresh, need_full, need_renew, full_win,
-        renew_win, refreshes, renewals are read).
+      lanes: LaneState after the advance (win, fresh, need_full, full_win, refreshes
+        are read).
       out: the call's output (targets [b, n], full [], serve [b]).
       advance, gen_done: [b] bool from `advance_phase`.
-      refresh_travel, renew, full_travel: the schedule's settings (renew 0 where the
-        schedule makes no renewals).
-      renewed: [b, G] bool, the columns this call renewed (None: no renewal).
+      refresh_travel: the schedule's setting.
       fresh: [b, G] bool, `fresh_columns` of this call when the caller has it (computed
         here when None).
     Returns:
-      lanes with fresh [b, G] and full_win, renew_win, need_full, need_renew,
-      refreshes, renewals [b] updated.
+      lanes with fresh [b, G] and full_win, need_full, refreshes [b] updated.
     """
     if fresh is None:
-        fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
-
+        fresh = fresh_columns(ctx, gen, new, lanes, out)
     full = out.serve & out.full
-    renewed_row = out.serve & ~out.full & lanes.need_renew
-    # A refresh is due (a full forward, or a renewal with renew) at each new block.
-    need = advance & ~gen_done
     full_win = jnp.where(full, lanes.win, lanes.full_win)
-    renew_win = jnp.where(full | renewed_row, lanes.win, lanes.renew_win)
-    if refresh_travel:  # the window moved a block's worth since the cache was renewed
-        need = need | ((lanes.win - (renew_win if renew else full_win) >= refresh_travel)
-                       & ~gen_done)
-    need_renew = jnp.zeros((ctx.batch,), bool)
-    if renew:
-        need, need_renew = jnp.zeros((ctx.batch,), bool), need
-        if full_travel:
-            need = need | ((lanes.win - full_win >= full_travel) & ~gen_done)
+    need = advance & ~gen_done  # a full forward at each new block
+    if refresh_travel:  # the window moved a block's worth since the last full forward
+        need = need | ((lanes.win - full_win >= refresh_travel) & ~gen_done)
     return lanes.replace(
         fresh=fresh, full_win=full_win.astype(jnp.int32),
-        renew_win=renew_win.astype(jnp.int32),
         need_full=jnp.where(out.serve, need, lanes.need_full),
-        need_renew=jnp.where(out.serve, need_renew & ~need, lanes.need_renew),
-        refreshes=(lanes.refreshes + full).astype(jnp.int32),
-        renewals=(lanes.renewals + renewed_row).astype(jnp.int32))
+        refreshes=(lanes.refreshes + full).astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -583,10 +522,6 @@ class AsyncLaneSchedule(Schedule):
     Attributes:
       block_length: B, positions in the generate window.
       threshold: confidence at which a masked position commits (window and refine lanes).
-      lookahead: W, positions after the window whose predictions are kept as drafts
-        (0: no lookahead).
-      draft_threshold: confidence at which a window position commits when its
-        prediction equals its lookahead draft (capped at threshold).
       max_lanes: lane slots per row (the lane tree's size); each fork takes one, and
         forking stops when they run out (1: no forking; the window works through
         the canvas block by block). Default (None): when the delimiters are known
@@ -609,23 +544,6 @@ class AsyncLaneSchedule(Schedule):
         without an advance, so with forking the cache of the canvas after the window
         is otherwise never renewed; refresh_travel=B renews it as often as the refresh
         at each new block does with one lane.
-      renew: positions after the window that a renewal call re-encodes (0, the
-        default: no renewals, every refresh a full forward). With renew > 0 a
-        refresh due at an advance or by travel is not a full forward but a
-        renewal: the row's next cached call also queries the `renew_back` positions
-        before the window and the `renew` positions after the window and lookahead,
-        writing their K/V (logits are read only for the usual queries), so the cache
-        near the window is renewed at the cost of a wider cached call. The canvas
-        further on keeps the K/V of the last full forward. Where the renewal call
-        would be at least as wide as the canvas, the full forwards stay (renew=256 at
-        gen_length 256). renew=256 is faster at
-        gen_length 512 on tiny-llada-v4b at the same overall accuracy, but less
-        accurate on its answers longer than 256 tokens (module docstring;
-        experiments/results/bench/bench_tiny-llada-v4b.md).
-      renew_back: positions before the window that a renewal call re-encodes.
-      renew_prompt: a renewal call also re-encodes the prompt.
-      full_travel: with renew, a full forward once the window has moved this many
-        positions since the row's last one (0: only the first call's).
       cascade: cascading termination at the first committed end-of-text.
     """
 
@@ -634,11 +552,9 @@ class AsyncLaneSchedule(Schedule):
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "delimiter_ids")
     # The bench: the sampler under study; its rows meet the baselines of its footing.
     under_study: ClassVar[bool] = True
-    footing_options: ClassVar[tuple[str, ...]] = ("cascade", "renew")
+    footing_options: ClassVar[tuple[str, ...]] = ("cascade",)
     block_length: int = 32
     threshold: float = 0.95
-    lookahead: int = 0
-    draft_threshold: float = 0.7
     max_lanes: int | None = None
     delimiters: str = "newline"
     refine_window: int = 4
@@ -646,10 +562,6 @@ class AsyncLaneSchedule(Schedule):
     refine_budget: int = 4
     extra_queries: int = 4
     refresh_travel: int = 32
-    renew: int = 0
-    renew_back: int = 32
-    renew_prompt: bool = False
-    full_travel: int = 0
     cascade: bool = True
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
     delimiter_ids: tuple[int, ...] | None = None
@@ -658,11 +570,9 @@ class AsyncLaneSchedule(Schedule):
         super().__post_init__()
         n = self.name
         ops.check_threshold(n, self.threshold)
-        ops.check_threshold(n, self.draft_threshold, "draft_threshold")
-        for field, low in (("block_length", 1), ("lookahead", 0), ("max_lanes", 1),
-                           ("refine_window", 0), ("refine_budget", 0), ("extra_queries", 0),
-                           ("refresh_travel", 0), ("renew", 0), ("renew_back", 0),
-                           ("full_travel", 0)):
+        for field, low in (("block_length", 1), ("max_lanes", 1), ("refine_window", 0),
+                           ("refine_budget", 0), ("extra_queries", 0),
+                           ("refresh_travel", 0)):
             if getattr(self, field) is not None and getattr(self, field) < low:
                 raise SamplerError(f"{n}: {field}={getattr(self, field)} must be >= {low}")
         if not 0 <= self.stable_fraction <= 1:
@@ -752,13 +662,10 @@ class AsyncLaneSchedule(Schedule):
             death=jnp.full((b, M), -1, jnp.int32),
             split=jnp.full((b, M), -1, jnp.int32),
             fresh=jnp.zeros((b, G), bool),
-            draft=jnp.full((b, G), -1, jnp.int32),
             eos=jnp.full((b,), G, jnp.int32),
             need_full=jnp.ones((b,), bool),  # the first call is a full forward
-            need_renew=jnp.zeros((b,), bool),
-            full_win=zeros, renew_win=zeros, steps=zeros, forks=zeros,
-            peak=jnp.ones((b,), jnp.int32), refreshes=zeros, renewals=zeros, cuts=zeros,
-            idle=zeros)
+            full_win=zeros, steps=zeros, forks=zeros, peak=jnp.ones((b,), jnp.int32),
+            refreshes=zeros, cuts=zeros, idle=zeros)
 
     # -- helpers ----------------------------------------------------------------------
     def _refine_owner(self, st: LaneState, G: int):
@@ -769,47 +676,10 @@ class AsyncLaneSchedule(Schedule):
         b, M = st.kind.shape
         return jnp.full((b, G), M, jnp.int32)
 
-    def _windows(self, st: LaneState, shift: int, G: int):
-        """[b, G] masks of the generated columns that the window's and the lookahead's
-        queries encode (a target c is queried at c - shift)."""
-        B, W = self.block_length, self.lookahead
-        j = jnp.arange(G)[None, :]
-        win_lo, la_lo = st.win[:, None], st.win[:, None] + B
-        win_enc = (j >= win_lo - shift) & (j < win_lo + B - shift)
-        la_enc = (j >= la_lo - shift) & (j < la_lo + W - shift)
-        return win_enc, la_enc
-
-    def _renews(self, ctx: Context) -> bool:
-        """Whether refreshes are renewals: renew > 0 and a renewal call narrower than
-        the canvas (a wider one would cost more than the full forward it replaces: then
-        the full forwards stay)."""
-        if not self.renew:
-            return False
-        width = (self.block_length + self.lookahead + self.extra_queries + self.renew_back
-                 + self.renew + (ctx.prompt_len if self.renew_prompt else 0))
-        return width < ctx.length
-
-    def renewal_columns(self, st: LaneState, G: int):
-        """[b, R] generated columns a renewal call re-encodes (G: none), R = renew_back +
-        renew: the renew_back positions before the window's queries and the `renew`
-        after the window and its lookahead, before the text frontier. (The prompt's
-        columns, with renew_prompt, come on top.)"""
-        B, W = self.block_length, self.lookahead
-        seen = text_frontier(st.eos, G, self.cascade)[:, None]
-        before = st.win[:, None] - self.renew_back + jnp.arange(self.renew_back)[None, :]
-        after = st.win[:, None] + B + W + jnp.arange(self.renew)[None, :]
-        cols = jnp.concatenate([before, after], axis=1)
-        return jnp.where((cols >= 0) & (cols < seen), cols, G)
-
     # -- the schedule -----------------------------------------------------------------
-    def narrow_queries(self, ctx: Context) -> int | None:
-        if not self._renews(ctx):
-            return None
-        return self.block_length + self.lookahead + self.extra_queries
-
     def plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan:
         P, G, T, s = ctx.prompt_len, ctx.gen_length, ctx.length, ctx.shift
-        B, W, E = self.block_length, self.lookahead, self.extra_queries
+        B, E = self.block_length, self.extra_queries
         frontier = text_frontier(st.eos, G, self.cascade)[:, None]
         gen = canvas[:, P:]
         masked = gen == ctx.mask_id
@@ -820,11 +690,10 @@ class AsyncLaneSchedule(Schedule):
             return jnp.where(t < frontier, P + t - s, T)  # nothing in the tail is queried
 
         parts = [targets(st.win, B)]
-        if W:
-            parts.append(targets(st.win + B, W))
         if E:
-            win_enc, la_enc = self._windows(st, s, G)
-            dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc & ~la_enc
+            # Columns the window's queries encode (a target c is queried at c - s).
+            win_enc = (j >= st.win[:, None] - s) & (j < st.win[:, None] + B - s)
+            dirty = ~masked & ~st.fresh & (j < frontier) & ~win_enc
             # (Refine lanes lie before the window: the window's queries never cover them.)
             refine = masked & (self._refine_owner(st, G) < st.kind.shape[-1])
             order = (G - j).astype(jnp.float32) / (G + 1)  # earlier first
@@ -832,20 +701,10 @@ class AsyncLaneSchedule(Schedule):
             top, idx = jax.lax.top_k(score, min(E, G))
             col = P + idx - jnp.where(top >= 2.0, s, 0)  # a refine target is queried at c - s
             parts.append(jnp.where(jnp.isfinite(top), col, T))
-        wide = None
-        if self._renews(ctx):  # encoded columns (no shift), only for rows due a renewal
-            cols = self.renewal_columns(st, G)
-            due = st.need_renew[:, None]
-            parts.append(jnp.where((cols < G) & due, P + cols, T))
-            if self.renew_prompt:  # the prompt's columns (left padding excluded)
-                pcols = jnp.arange(P, dtype=jnp.int32)[None, :]
-                parts.append(jnp.where(due & (pcols >= ctx.pad_len[:, None]), pcols, T))
-            wide = jnp.any(live & st.need_renew)
         positions = jnp.concatenate(parts, axis=1).astype(jnp.int32)
         need = live & st.need_full
         full = jnp.any(need)
-        return Plan(positions=positions, full=full, serve=jnp.where(full, need, live),
-                    wide=wide)
+        return Plan(positions=positions, full=full, serve=jnp.where(full, need, live))
 
     def update(self, ctx: Context, canvas, st: LaneState, out: CallOutput, key):
         """One iteration's commits and lane moves: the phases above, in order. The
@@ -854,20 +713,13 @@ class AsyncLaneSchedule(Schedule):
         del key
         P, G, B = ctx.prompt_len, ctx.gen_length, self.block_length
         gen = canvas[:, P:]  # [b, G]
-        renewed = None
-        if self._renews(ctx):  # the columns the plan re-encoded (st: the plan's state)
-            cols = self.renewal_columns(st, G)
-            rows = jnp.arange(ctx.batch)[:, None]
-            renewed = jnp.zeros((ctx.batch, G), bool).at[rows, cols].set(True, mode="drop")
-            renewed = renewed & (st.need_renew & ~out.full)[:, None]
         pred, pconf, has = scatter_predictions(ctx, out)
         owner = self._refine_owner(st, G)  # once per iteration: the plan's lanes
-        new, lanes = commit_phase(
+        new = commit_phase(
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
-            block_length=B, threshold=self.threshold, lookahead=self.lookahead,
-            draft_threshold=self.draft_threshold, refine_budget=self.refine_budget,
+            block_length=B, threshold=self.threshold, refine_budget=self.refine_budget,
             refine_owner=owner)
-        new, lanes = cascade_phase(ctx, new, lanes, cascade=self.cascade)
+        new, lanes = cascade_phase(ctx, new, st, cascade=self.cascade)
         # The cascade only terminates lanes and cuts their ends: a position keeps its
         # refine lane unless that lane is terminated or cut before it.
         M = lanes.kind.shape[-1]
@@ -878,7 +730,7 @@ class AsyncLaneSchedule(Schedule):
         lanes = lanes.replace(idle=(lanes.idle + (out.serve & ~committed)).astype(jnp.int32))
         frontier = text_frontier(lanes.eos, G, self.cascade)
         lanes = retire_phase(ctx, new, lanes, refine_owner=owner)
-        fresh = fresh_columns(ctx, gen, new, lanes, out, renewed)
+        fresh = fresh_columns(ctx, gen, new, lanes, out)
         lanes, fork = fork_phase(
             ctx, new, lanes, frontier, out.serve, block_length=B,
             refine_window=self.refine_window, stable_fraction=self.stable_fraction,
@@ -888,8 +740,7 @@ class AsyncLaneSchedule(Schedule):
                                                  block_length=B)
         lanes = refresh_phase(
             ctx, gen, new, lanes, out, advance, gen_done, refresh_travel=self.refresh_travel,
-            renew=self.renew if self._renews(ctx) else 0, full_travel=self.full_travel,
-            renewed=renewed, fresh=fresh)
+            fresh=fresh)
         return canvas.at[:, P:].set(new), lanes.replace(steps=st.steps + out.serve)
 
     def done(self, ctx: Context, canvas, st: LaneState):
@@ -900,5 +751,4 @@ class AsyncLaneSchedule(Schedule):
                 "lane_parent": st.parent, "lane_birth": st.birth, "lane_death": st.death,
                 "lane_split": st.split,
                 "forks": st.forks, "peak_lanes": st.peak, "refreshes": st.refreshes,
-                "renewals": st.renewals,
                 "cascade_cuts": st.cuts, "idle_steps": st.idle}

@@ -21,20 +21,11 @@ no prediction in cached calls. Fast-dLLM's Dream block decoding therefore commit
 s, by argmax, at the block-start step (`shift_commits_block_start`), which is always a
 full forward.
 
-Two options put a block sampler on AsyncLane's footing (asynclane.py; both off by
-default, as published):
-  - The cascade (`cascade`). An end-of-text committed at p ends the row there: every
-    later position becomes end-of-text at once (mid-block, unlike `early_stop`, which
-    waits for the block to finish), and the row is done when no generated position is
-    masked, so no call is spent on the tail.
-  - Renewal calls (`renew` > 0, dual cache), as AsyncLane's: the refresh at the start
-    of every block after the first is not a full forward but a wide cached call that
-    queries the block (minus the shift, as a full forward would) and also re-encodes
-    the block before it and the `renew` positions after it; the rest of the canvas
-    keeps the K/V of the row's first full forward. Rows are then not batched into one
-    refresh: a row starting its first block gets a full forward at once (the others
-    wait that one call), and a row starting a later block renews in the call that
-    serves every row.
+The cascade (`cascade`, off by default, as published) puts a block sampler on
+AsyncLane's footing (asynclane.py): an end-of-text committed at p ends the row there:
+every later position becomes end-of-text at once (mid-block, unlike `early_stop`, which
+waits for the block to finish), and the row is done when no generated position is
+masked, so no call is spent on the tail.
 """
 
 from __future__ import annotations
@@ -81,10 +72,6 @@ class BlockSchedule(Schedule):
       cascade: an end-of-text committed at p ends the row there at once: every later
         position becomes end-of-text and no call is spent on the tail, as asynclane's
         cascade (off as published).
-      renew: with the dual cache, the refresh at the start of a block after the first
-        is a renewal call, as asynclane's (module docstring): the block, the block
-        before it and the `renew` positions after it are re-encoded in a cached call
-        (0: full forwards, as published).
     """
 
     # The sampler's usual block length (None: one block of gen_length).
@@ -92,14 +79,13 @@ class BlockSchedule(Schedule):
     # With a logit-shifted model (Dream), the block-start step commits exactly the
     # block's first column by argmax (Fast-dLLM's Dream block decoding); see above.
     shift_commits_block_start: ClassVar[bool] = False
-    # The bench (Schedule): all three footing options; the faster cache by default.
-    footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade", "renew")
+    # The bench (Schedule): both footing options; the faster cache by default.
+    footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade")
     bench_defaults: ClassVar[tuple[str, ...]] = ("cache=prefix|dual",)
     block_length: int | None = None
     cache: str = "none"
     early_stop: bool = False
     cascade: bool = False
-    renew: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,10 +102,6 @@ class BlockSchedule(Schedule):
         if self.cache not in CACHE_MODES:
             raise SamplerError(f"cache={self.cache!r}: expected one of {CACHE_MODES}")
         n = self.name or type(self).__name__
-        if isinstance(self.renew, bool) or not isinstance(self.renew, int) or self.renew < 0:
-            raise SamplerError(f"{n}: renew={self.renew!r} must be a whole number >= 0")
-        if self.renew and self.cache != "dual":
-            raise SamplerError(f"{n}: renew={self.renew} needs cache='dual'")
         if self.cascade not in (True, False):
             raise SamplerError(f"{n}: cascade={self.cascade!r} must be true or false")
         object.__setattr__(self, "cascade", bool(self.cascade))
@@ -172,14 +154,6 @@ class BlockSchedule(Schedule):
     def query_size(self) -> int:
         return self.gen_length if self.cache == "prefix" else self.block_length
 
-    def _renews(self, ctx: Context) -> bool:
-        """Whether block starts renew (renew > 0 and a renewal call narrower than the
-        canvas; a wider one would cost more than the full forward it replaces)."""
-        return bool(self.renew) and 2 * self.block_length + self.renew < ctx.length
-
-    def narrow_queries(self, ctx: Context) -> int | None:
-        return self.block_length if self._renews(ctx) else None
-
     def plan(self, ctx: Context, canvas, state: BlockState, live) -> Plan:
         T, Q, B = ctx.length, self.query_size(), self.block_length
         cols = self._columns(ctx, state.block)
@@ -187,8 +161,6 @@ class BlockSchedule(Schedule):
         full_q = jnp.concatenate([cols - ctx.shift, pad], axis=1)  # every column predicted
         if not self.uses_cache:
             return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
-        if self._renews(ctx):
-            return self._renewal_plan(ctx, state, live, cols, full_q)
         need = live & (state.step_in_block == 0)
         refresh = jnp.all(need | ~live)
         if self.cache == "dual":
@@ -198,26 +170,6 @@ class BlockSchedule(Schedule):
             cached_q = jnp.where(cached_q < T, cached_q, T)
         return Plan(positions=jnp.where(refresh, full_q, cached_q), full=refresh,
                     serve=jnp.where(refresh, need, live & ~need))
-
-    def _renewal_plan(self, ctx: Context, state: BlockState, live, cols, full_q) -> Plan:
-        """The plan with renewals (`renew`): a row starting its first block gets a full
-        forward (the other rows wait that call); otherwise one cached call serves every
-        row, wide when a row starts a later block: that row queries its block minus the
-        shift (every block column predicted) and re-encodes the block before it and the
-        `renew` positions after it."""
-        T, B, s = ctx.length, self.block_length, ctx.shift
-        start = live & (state.step_in_block == 0)
-        need_full = start & (state.block == 0)
-        renewing = (start & (state.block > 0))[:, None]
-        full = jnp.any(need_full)
-        first = cols[:, :1]
-        extra = jnp.concatenate([first - B + jnp.arange(B)[None, :],
-                                 first + B - s + jnp.arange(self.renew)[None, :]], axis=1)
-        extra = jnp.where(renewing & (extra >= ctx.prompt_len) & (extra < T), extra, T)
-        queries = jnp.where(renewing | full, full_q, cols)
-        return Plan(positions=jnp.concatenate([queries, extra], axis=1).astype(jnp.int32),
-                    full=full, serve=jnp.where(full, need_full, live),
-                    wide=jnp.any(renewing))
 
     def update(self, ctx: Context, canvas, state: BlockState, out: CallOutput, key):
         b, B = ctx.batch, self.block_length
@@ -281,8 +233,6 @@ class FixedStepsSchedule(BlockSchedule):
         the number of blocks.
     """
 
-    # No cache, so no renewals: not an option of these samplers (it stays 0).
-    structural: ClassVar[tuple[str, ...]] = ("gen_length", "renew")
     footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade")
     bench_defaults: ClassVar[tuple[str, ...]] = ()
     steps: int | None = None

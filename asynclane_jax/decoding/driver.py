@@ -88,9 +88,6 @@ def check_plan(schedule: Schedule, plan: Plan, b: int, where: str = "plan") -> N
     chex.assert_type(plan.full, bool, custom_message=f"{msg}.full is a bool")
     chex.assert_shape(plan.serve, (b,), custom_message=f"{msg}.serve is [b]")
     chex.assert_type(plan.serve, bool, custom_message=f"{msg}.serve is a bool mask")
-    if plan.wide is not None:
-        chex.assert_shape(plan.wide, (), custom_message=f"{msg}.wide is one bool")
-        chex.assert_type(plan.wide, bool, custom_message=f"{msg}.wide is a bool")
     if plan.logits_at is not None:
         chex.assert_shape(plan.logits_at, (b, None),
                           custom_message=f"{msg}.logits_at is [b, n]")
@@ -188,7 +185,6 @@ class ModelCalls:
         self.n_live = n_live  # [] rows counted in tokens_processed
         self.block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
         self.vocab = model.cfg.vocab_size
-        self.narrow = schedule.narrow_queries(ctx) if self.use_cache else None
 
     def no_logits(self, plan: Plan):
         """Zero logits of a call's shape [b, n, V] float32 (n: the columns read), the
@@ -246,25 +242,6 @@ class ModelCalls:
             cache=cache, nfe_full=st.nfe_full + 1,
             tokens_processed=st.tokens_processed + self.n_live * T,
             row_full=st.row_full + serve), shape, serve, attended)
-
-    def of_width(self, plan: Plan, serve):
-        """(the plan as its full forward and narrow cached call see it, the cached call
-        state -> (logits, state)). For a schedule with `narrow_queries` Qn and a plan
-        with `wide`, the cached call is wide (every column queried, logits read at the
-        first Qn) or narrow (the first Qn only); otherwise one width."""
-        Qn = self.narrow
-        if Qn is None or plan.wide is None:
-            return plan, lambda s: self.cached(s, plan, serve)
-        b = plan.positions.shape[0]
-        if plan.logits_at is not None or plan.positions.shape[1] < Qn:
-            raise SamplerError(f"{self.schedule.name}: a wide plan holds at least "
-                               f"narrow_queries={Qn} positions and no logits_at")
-        wide = plan.replace(wide=None, logits_at=jnp.broadcast_to(
-            jnp.arange(Qn, dtype=jnp.int32), (b, Qn)))
-        narrow = plan.replace(wide=None, positions=plan.positions[:, :Qn])
-        return narrow, lambda s: branch(
-            plan.wide, lambda s2: self.cached(s2, wide, serve),
-            lambda s2: self.cached(s2, narrow, serve), s, self.no_logits(narrow))
 
     def cached(self, st: DecodeState, plan: Plan, serve):
         """The planned columns against the K/V of the whole canvas."""
@@ -362,9 +339,9 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
         """One call and its update: (state, the tap's extra or None)."""
         check_plan(schedule, plan, b, where)
         serve = plan.serve & ~st.finished
-        plan, cached = calls.of_width(plan, serve)
         if use_cache:
-            logits, st = branch(plan.full, lambda s: calls.full_over(s, plan, serve), cached, st,
+            logits, st = branch(plan.full, lambda s: calls.full_over(s, plan, serve),
+                                lambda s: calls.cached(s, plan, serve), st,
                                 calls.no_logits(plan))
         else:
             logits, st = calls.full_over(st, plan, serve)

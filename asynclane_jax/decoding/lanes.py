@@ -34,7 +34,6 @@ class LaneStats(DecodeStats):
         became a refine lane (-1: never).
       forks: [b] forks per row; peak_lanes: [b] most lanes active at once;
       refreshes: [b] full forwards that served the row;
-      renewals: [b] renewal calls (wide cached calls) that served the row;
       cascade_cuts: [b] lanes terminated or cut by an end-of-text;
       idle_steps: [b] iterations that served the row and committed no position.
     """
@@ -49,7 +48,6 @@ class LaneStats(DecodeStats):
     forks: np.ndarray = None
     peak_lanes: np.ndarray = None
     refreshes: np.ndarray = None
-    renewals: np.ndarray = None
     cascade_cuts: np.ndarray = None
     idle_steps: np.ndarray = None
 

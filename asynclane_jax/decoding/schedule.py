@@ -54,11 +54,6 @@ class Plan:
     # queries (e.g. a first call that encodes a long prefix) computes its output head
     # only where it is read.
     logits_at: jax.Array | None = None
-    # [] bool or None, for a schedule with `narrow_queries` (Qn): whether this cached
-    # call is wide, querying every column of `positions`, or narrow, querying only the
-    # first Qn. The columns after the first Qn are only encoded (their K/V written);
-    # logits are read at the first Qn in either case. None: every column, always.
-    wide: jax.Array | None = None
 
 
 @struct.dataclass
@@ -129,7 +124,7 @@ class Schedule:
     # Fields that `from_options` fills and callers do not pass as sampler options.
     structural: ClassVar[tuple[str, ...]] = ("gen_length",)
     # What the bench reads (asynclane_jax.bench.compare): the options of this sampler
-    # that set its footing, each named by its role (early_stop, cascade, renew; none:
+    # that set its footing, each named by its role (early_stop, cascade; none:
     # the sampler is compared as published), and whether it is the sampler under
     # study, whose rows are compared with the baselines'.
     footing_options: ClassVar[tuple[str, ...]] = ()
@@ -197,15 +192,6 @@ class Schedule:
           Plan.
         """
         raise NotImplementedError
-
-    def narrow_queries(self, ctx: Context) -> int | None:
-        """A static query count Qn for a schedule that makes cached calls of two
-        widths: its plans hold Qn queries and then columns that are only re-encoded,
-        and a cached call takes them all only when `Plan.wide` holds (a full forward
-        encodes every column anyway). The logits are those of the first Qn queries in
-        every call. None (the default): one width."""
-        del ctx
-        return None
 
     def attention_blocks(self, ctx: Context):
         """[b, T] int block id of every canvas column for block-causal attention (a

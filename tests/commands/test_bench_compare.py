@@ -14,7 +14,7 @@ import pytest
 
 from asynclane_jax.bench import compare, report, runner
 from asynclane_jax.bench.compare import add_speedups, comparison_of, footing
-from asynclane_jax.bench.spec import EQUAL_FOOTING, RENEWAL, default_specs, parse_spec, validate
+from asynclane_jax.bench.spec import EQUAL_FOOTING, default_specs, parse_spec, validate
 from asynclane_jax.bench.table import table_rows
 from asynclane_jax.decoding import registry
 from asynclane_jax.decoding.registry import option_fields, samplers
@@ -48,7 +48,8 @@ def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
         row("localleap:early_stop=true", 500.0, early_stop=True, cache="dual"),
         row(f"localleap:{EQUAL_FOOTING}", 2000.0, cache="dual", cascade=True,
             early_stop=True),
-        row(f"fast-dllm:{EQUAL_FOOTING}:{RENEWAL}", 2400.0, cache="dual",
+        # Rows of a results file written while renewal calls were an option (renew).
+        row(f"fast-dllm:{EQUAL_FOOTING}:cache=dual:renew=256", 2400.0, cache="dual",
             cascade=True, early_stop=True, renew=256),
         row("fast-dllm:renew=256", 700.0, cache="dual", renew=256),
         row("asynclane:renew=0", 1800.0, renew=0),
@@ -59,12 +60,12 @@ def test_every_row_is_in_one_comparison_and_speedups_are_per_comparison():
     lane, renewing = rows[-2:]
     assert lane["speedup_vs_fastest_baseline"] == pytest.approx(18.0)
     assert lane["speedup_vs_fastest_early_stop"] == pytest.approx(3.6)
-    # (c) of the row's own footing: no renewals (2000 tokens/s), or renewals of 256
-    # (2400).
+    # (c) of the row's own footing, as written: no renewals (2000 tokens/s), or
+    # renewals of 256 (2400).
     assert lane["speedup_vs_fastest_equal_footing"] == pytest.approx(0.9)
     assert renewing["speedup_vs_fastest_equal_footing"] == pytest.approx(1.25)
     assert footing(renewing) == 256 and footing(lane) == 0
-    # AsyncLane's defaults: no renewals.
+    # Today's rows: no renewals.
     assert footing(row("asynclane", 1.0)) == 0
     assert {"comparison", *compare.COMPARISONS.values()} <= set(runner.ROW_KEYS)
     # The defaults hold all three comparisons, and they build at the bench's lengths.
@@ -84,12 +85,12 @@ def test_per_family_speedups_meet_the_fastest_equal_footing_row_of_each_family()
         row("fast-dllm", {"math": 50.0, "walk": 10.0}, cache="dual"),
         row(f"fast-dllm:{EQUAL_FOOTING}", {"math": 400.0, "walk": 100.0}, **eq),
         row(f"localleap:{EQUAL_FOOTING}", {"math": 300.0, "walk": 200.0}, **eq),
-        row(f"fast-dllm:{EQUAL_FOOTING}:{RENEWAL}", {"math": 900.0, "walk": 900.0},
+        row(f"fast-dllm:{EQUAL_FOOTING}:cache=dual:renew=256", {"math": 900.0, "walk": 900.0},
             renew=256, **eq),
         row("asynclane:renew=0", {"math": 400.0, "walk": 260.0}, renew=0)])
     # Each family against its own fastest (c) row, of the row's footing (no renewals
     # here): the walk figure meets LocalLeap (200), the math figure Fast-dLLM (400); the
-    # renewing row (900) is another footing's rival and is not met.
+    # renewing row of a results file (900) is another footing's rival and is not met.
     assert rows[-1]["speedup_family_vs_equal_footing"] == {
         "math": pytest.approx(1.0), "walk": pytest.approx(1.3)}
     assert rows[2]["speedup_family_vs_equal_footing"]["walk"] == pytest.approx(1.0)
@@ -129,12 +130,11 @@ def test_every_sampler_declares_footing_options_it_takes():
 
 @dataclasses.dataclass(frozen=True)
 class _Rival(Schedule):
-    """A baseline with the three footing options (not registered: no `name`)."""
+    """A baseline with both footing options (not registered: no `name`)."""
 
-    footing_options = ("early_stop", "cascade", "renew")
+    footing_options = ("early_stop", "cascade")
     early_stop: bool = False
     cascade: bool = False
-    renew: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +146,9 @@ class _Quiet(Schedule):
 
 @dataclasses.dataclass(frozen=True)
 class _Study(Schedule):
-    """Another sampler under study, renewing by default."""
+    """Another sampler under study."""
 
     under_study = True
-    footing_options = ("renew",)
-    renew: int = 128
 
 
 def test_a_new_sampler_is_classified_from_its_declarations(monkeypatch):
@@ -165,21 +163,15 @@ def test_a_new_sampler_is_classified_from_its_declarations(monkeypatch):
         row("rival", 100.0),
         row("rival:early_stop=true", 200.0, early_stop=True),
         row("rival:cascade=true", 400.0, cascade=True),
-        row("rival:cascade=true:renew=128", 500.0, cascade=True, renew=128),
-        row("rival:renew=32", 50.0, renew=32),
+        row("rival:cascade=true:threshold=0.5", 500.0, cascade=True),
         row("quiet:cascade=true", 300.0, cascade=True),
-        row("study", 1000.0),
-        row("study:renew=0", 800.0, renew=0)])
+        row("study", 1000.0)])
     assert [r["comparison"] for r in rows] == [
-        "published", "early-stop", "equal-footing", "equal-footing", "other",
-        "published", "study", "study"]
-    # Footing from the options, else the class's defaults (the study's renew 128).
-    assert [footing(r) for r in rows] == [0, 0, 0, 128, 32, 0, 128, 0]
-    study, study0 = rows[-2:]
+        "published", "early-stop", "equal-footing", "equal-footing", "published", "study"]
+    study = rows[-1]
     assert study["speedup_vs_fastest_baseline"] == pytest.approx(1000 / 300)  # quiet's
     assert study["speedup_vs_fastest_early_stop"] == pytest.approx(5.0)
-    assert study["speedup_vs_fastest_equal_footing"] == pytest.approx(2.0)  # renew 128
-    assert study0["speedup_vs_fastest_equal_footing"] == pytest.approx(2.0)  # renew 0
+    assert study["speedup_vs_fastest_equal_footing"] == pytest.approx(2.0)
     # The table shows the study's comparison by its name.
     assert table_rows([dict(study, accuracy=1.0, nfe_per_token=None, steps=1.0,
                             wall_s=1.0, compile_s=0.0)], compare.COMPARISON_LABELS)[0][1] == "study"

@@ -20,7 +20,6 @@ GEN = 64
 CASES = [
     ("fast-dllm", {"cache": "dual"}),
     ("fast-dllm", {"cache": "prefix", "block_length": 16}),
-    ("fast-dllm", {"cache": "dual", "renew": 8, "block_length": 16}),
     ("asynclane", {}),
     ("vanilla", {"steps": 16, "cfg_scale": 1.0}),
 ]

@@ -1,6 +1,6 @@
 """The block samplers on AsyncLane's footing: the cascade as an option of BlockSchedule
-(block.py; their renewal calls are tested in tests/decoding/asynclane/test_renewal.py).
-The bench's comparisons that use them are tested in tests/commands/test_bench_compare.py.
+(block.py). The bench's comparisons that use them are tested in
+tests/commands/test_bench_compare.py.
 
 - The cascade on hand-made logits: an end-of-text committed mid-block ends the row at
   once.
@@ -94,9 +94,9 @@ def test_the_cascade_ends_the_row_mid_block(sampler, opts):
 # ------------------------------------------------------------ options and validation
 
 @pytest.mark.parametrize("opts,needle", [
-    (dict(sampler="fast-dllm", cache="dual", renew=-1), "renew=-1 must be a whole number"),
-    (dict(sampler="fast-dllm", renew=8), "renew=8 needs cache='dual'"),
     (dict(sampler="localleap", cascade="yes"), "cascade='yes' must be true or false"),
+    # Renewal calls were an option of the dual-cache samplers, removed (docs/asynclane.md).
+    (dict(sampler="fast-dllm", cache="dual", renew=256), "unknown option"),
     (dict(sampler="vanilla", renew=8), "unknown option"),
 ])
 def test_bad_options_are_refused_in_one_line(opts, needle):
@@ -109,10 +109,8 @@ def test_options_off_by_default_and_documented():
     for name in ("fast-dllm", "localleap"):
         cls = get_schedule_class(name)
         fields, docs = option_fields(cls), option_docs(cls)
-        assert fields["renew"].default == 0 and fields["cascade"].default is False
-        assert fields["early_stop"].default is False
-        assert {"renew", "cascade", "early_stop"} <= set(docs)
-    # The fixed-step samplers have no cache, so no renewals; the cascade they take.
+        assert fields["cascade"].default is False and fields["early_stop"].default is False
+        assert {"cascade", "early_stop"} <= set(docs)
+    # The fixed-step samplers take the cascade too.
     for name in ("vanilla", "dream"):
-        fields = option_fields(get_schedule_class(name))
-        assert "renew" not in fields and "cascade" in fields
+        assert "cascade" in option_fields(get_schedule_class(name))

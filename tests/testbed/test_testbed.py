@@ -309,10 +309,7 @@ def test_the_v4b_models_solve_long_answers_with_the_default_sampler(name):
     """tiny-llada-v4b (LLaDA-style) and tiny-dream-v4 (Dream-style) record the task set
     v4 and, with AsyncLane at its defaults (forking, full forwards) at gen length 512,
     solve at least 12 of the first 16 held-out walk-down and table-down problems,
-    answers of 25 to 377 tokens (their cards and the bench report 500 problems). On the
-    first 8 alone tiny-llada-v4b solves 7 with full forwards and 5 with renewals
-    (renew=256); on 500 problems the two are about as accurate overall (the figures:
-    experiments/results/bench/bench_tiny-llada-v4b.md)."""
+    answers of 25 to 377 tokens (their cards and the bench report 500 problems)."""
     from asynclane_jax import generate, load
     from asynclane_jax.testbed.evaluate import prompts_for
 

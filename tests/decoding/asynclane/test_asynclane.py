@@ -1,5 +1,6 @@
 """AsyncLane: exactness against Fast-dLLM with the lanes switched off, and the
-invariants of its output and lane tree (ASYNCLANE.md, "What must hold"), on fixed cases
+invariants of its output and lane tree (docs/asynclane.md, "The lane tree in the
+stats"), on fixed cases
 and as hypothesis properties over random tiny models and random settings."""
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from asynclane_jax.decoding.lanes import DONE, FREE, TERMINATED
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.testbed import evaluate, tasks
 
-# AsyncLane with forking, lookahead, the extra queries and the cascade off (it refreshes
-# with a full forward at every block start, as Fast-dLLM's dual cache does).
-AS_FAST_DLLM = dict(max_lanes=1, lookahead=0, extra_queries=0, cascade=False, threshold=0.9,
-                    renew=0)
-# Forking at every newline of the shipped models' answers, with a lookahead and more
-# extra query slots than the defaults.
-FORKING = dict(max_lanes=16, lookahead=4, extra_queries=8)
+# AsyncLane with forking, the extra queries and the cascade off (it refreshes with a full
+# forward at every block start, as Fast-dLLM's dual cache does).
+AS_FAST_DLLM = dict(max_lanes=1, extra_queries=0, cascade=False, threshold=0.9)
+# Forking at every newline of the shipped models' answers, with more extra query slots
+# than the defaults.
+FORKING = dict(max_lanes=16, extra_queries=8)
 
 
 def check_invariants(res, cfg, *, cascade: bool):
@@ -165,7 +165,7 @@ def test_batch_rows_equal_single_runs_and_one_compilation(shipped_llada):
 
 
 def test_bad_settings_are_refused(tiny_llada_model):
-    for opts in ({"draft_threshold": 0.0}, {"max_lanes": 0}, {"max_lanes": 4, "extra_queries": 0},
+    for opts in ({"threshold": 0.0}, {"max_lanes": 0}, {"max_lanes": 4, "extra_queries": 0},
                  {"delimiters": "a,b"}, {"stable_fraction": 2.0}, {"refresh_travel": -1}):
         with pytest.raises(SamplerError):
             generate(tiny_llada_model, [[1, 2]], sampler="asynclane", gen_length=8, **opts)
@@ -180,14 +180,12 @@ def test_bad_settings_are_refused(tiny_llada_model):
 settings_strategy = st.fixed_dictionaries({
     "block_length": st.sampled_from([4, 8]),
     "threshold": st.sampled_from([0.5, 0.9]),
-    "lookahead": st.sampled_from([0, 3]),
     "max_lanes": st.sampled_from([1, 3, 6]),
     "refine_window": st.sampled_from([0, 2, 8]),
     "stable_fraction": st.sampled_from([0.0, 0.75]),
     "refine_budget": st.sampled_from([0, 2]),
     "extra_queries": st.sampled_from([1, 5]),
     "refresh_travel": st.sampled_from([0, 8]),
-    "renew": st.sampled_from([0, 8]),
     "cascade": st.booleans(),
 })
 

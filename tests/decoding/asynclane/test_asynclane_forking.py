@@ -5,8 +5,8 @@
   lane commits while a refine lane is alive (overlap), the row takes fewer iterations
   than with forking off, no iteration commits nothing (the refine lanes' best is
   forced while one is open), and no refine lane reads its prefix through stale K/V.
-- Hypothesis properties over random tiny models with forking on (ASYNCLANE.md, "What
-  must hold"): no mask left, the end-of-text tail, lane spans tiling the region, a
+- Hypothesis properties over random tiny models with forking on (docs/asynclane.md, "The
+  lane tree in the stats"): no mask left, the end-of-text tail, lane spans tiling the region, a
   valid lane tree, one compiled program for all examples of a shape, and batch rows
   equal to single runs. The settings are fixed per family, so the examples vary only
   array inputs (weights, prompts) and reuse the compiled programs.
@@ -225,7 +225,7 @@ def test_an_end_of_text_cuts_the_lanes_while_forking():
 # sharpness), the prompts and the cascade only through arrays: one program per
 # (family, batch shape).
 FORK_SETTINGS = dict(gen_length=24, block_length=8, max_lanes=5, extra_queries=4,
-                     refine_window=4, refine_budget=2, lookahead=2)
+                     refine_window=4, refine_budget=2)
 PROGRAMS_SEEN: set = set()
 
 

@@ -47,10 +47,9 @@ def make_lanes(kind, start, end, *, G: int, **fields) -> LaneState:
     slot = jnp.full((b, M), -1, jnp.int32)
     base = dict(win=row, gen_slot=row, kind=kind, start=jnp.asarray(start, jnp.int32),
                 end=jnp.asarray(end, jnp.int32), parent=slot, birth=slot, death=slot,
-                split=slot, fresh=jnp.zeros((b, G), bool), draft=jnp.full((b, G), -1, jnp.int32),
-                eos=row + G, need_full=jnp.zeros((b,), bool), need_renew=jnp.zeros((b,), bool),
-                full_win=row, renew_win=row, steps=row, forks=row,
-                peak=row + 1, refreshes=row, renewals=row, cuts=row, idle=row)
+                split=slot, fresh=jnp.zeros((b, G), bool), eos=row + G,
+                need_full=jnp.zeros((b,), bool), full_win=row, steps=row, forks=row,
+                peak=row + 1, refreshes=row, cuts=row, idle=row)
     for k, v in fields.items():
         base[k] = jnp.broadcast_to(jnp.asarray(v, base[k].dtype), base[k].shape)
     return LaneState(**base)
@@ -144,8 +143,7 @@ def test_scatter_predictions():
 
 
 # -- commit --------------------------------------------------------------------------------
-COMMIT = dict(block_length=4, threshold=0.9, lookahead=0, draft_threshold=0.7,
-              refine_budget=4)
+COMMIT = dict(block_length=4, threshold=0.9, refine_budget=4)
 PRED = arr(np.arange(8) + 20)  # position j predicts token 20 + j (tokens are opaque here)
 ALL = jnp.ones((1, 8), bool)
 
@@ -158,13 +156,12 @@ def test_commit_window_threshold():
     front = arr([8])
     # 0 is sure; 2 is just under the threshold; 4..7 are sure but outside the window
     # [0, 4).
-    new, out = commit_phase(ctx, gen, PRED, pconf, ALL, st, front, **COMMIT)
+    new = commit_phase(ctx, gen, PRED, pconf, ALL, st, front, **COMMIT)
     eq(new, [[20, X, X, X, X, X, X, X]])
-    eq(out.draft, st.draft)  # no lookahead: no drafts
-    new, _ = commit_phase(ctx, gen, PRED, pconf.at[0, 2].set(0.92), ALL, st, front, **COMMIT)
+    new = commit_phase(ctx, gen, PRED, pconf.at[0, 2].set(0.92), ALL, st, front, **COMMIT)
     eq(new, [[20, X, 22, X, X, X, X, X]])  # over the threshold: committed
     # The tail (frontier 1) is never a candidate, however sure the prediction.
-    new, _ = commit_phase(ctx, gen, PRED, arr([[0.5, 0.99] + [0.99] * 6], jnp.float32), ALL,
+    new = commit_phase(ctx, gen, PRED, arr([[0.5, 0.99] + [0.99] * 6], jnp.float32), ALL,
                           st, arr([1]), **COMMIT)
     eq(new, [[20, X, X, X, X, X, X, X]])  # only position 0, forced as the best
 
@@ -174,11 +171,11 @@ def test_commit_forces_the_window_best_unless_a_refine_lane_is_open():
     pconf = arr([[0.5, 0.5, 0.5, 0.6, 0.4, 0.5, 0.99, 0.5]], jnp.float32)
     # One generate lane, nothing sure: the most confident window position (3) commits.
     st = make_lanes([[GENERATE, FREE]], [[0, 0]], [[4, 0]], G=8)
-    new, _ = commit_phase(ctx, arr([[X] * 8]), PRED, pconf, ALL, st, arr([8]), **COMMIT)
+    new = commit_phase(ctx, arr([[X] * 8]), PRED, pconf, ALL, st, arr([8]), **COMMIT)
     eq(new, [[X, X, X, 23, X, X, X, X]])
     # A position the call did not predict is not a candidate: the best is then 0/1/2.
     has = ALL.at[0, 3].set(False)
-    new, _ = commit_phase(ctx, arr([[X] * 8]), PRED, pconf, has, st, arr([8]), **COMMIT)
+    new = commit_phase(ctx, arr([[X] * 8]), PRED, pconf, has, st, arr([8]), **COMMIT)
     eq(new, [[20, X, X, X, X, X, X, X]])  # ties go to the first
     # A refine lane [0, 2) holding a mask at 1 (pconf 0.5), forked at step 0, within its
     # budget; the window [2, 6) has nothing sure, its best is 3 (0.6). The refine lane
@@ -188,7 +185,7 @@ def test_commit_forces_the_window_best_unless_a_refine_lane_is_open():
                     split=[[0, -1]], steps=3)
 
     def run(pc=pconf, has=ALL, g=gen):
-        return commit_phase(ctx, g, PRED, pc, has, st, arr([8]), **COMMIT)[0]
+        return commit_phase(ctx, g, PRED, pc, has, st, arr([8]), **COMMIT)
 
     eq(run(), [[30, 21, X, X, X, X, X, X]])
     # A refine mask the call did not predict: the window's best is forced instead.
@@ -208,33 +205,17 @@ def test_commit_refine_budget_forces_each_overdue_lane():
                     gen_slot=2, split=[[0, 1, -1]], steps=3)
     pconf = arr([[0.5, 0.5, 0.5, 0.6, 0.4, 0.45, 0.3, 0.2]], jnp.float32)
     # Within both budgets only the one forced commit: the refine lanes' best (3).
-    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st, arr([8]), **COMMIT)
+    new = commit_phase(ctx, gen, PRED, pconf, ALL, st, arr([8]), **COMMIT)
     eq(new, [[30, X, 32, 23, X, X, X, X]])
     # At step 4 the first lane is 4 iterations old: it also commits its own best (1).
-    new, _ = commit_phase(ctx, gen, PRED, pconf, ALL, st.replace(steps=arr([4])), arr([8]),
+    new = commit_phase(ctx, gen, PRED, pconf, ALL, st.replace(steps=arr([4])), arr([8]),
                           **COMMIT)
     eq(new, [[30, 21, 32, 23, X, X, X, X]])
     # A sure refine position commits by the threshold, within the budget too; it is
     # then the refine lanes' best, so nothing else is forced.
-    new, _ = commit_phase(ctx, gen, PRED, pconf.at[0, 1].set(0.95), ALL, st, arr([8]),
+    new = commit_phase(ctx, gen, PRED, pconf.at[0, 1].set(0.95), ALL, st, arr([8]),
                           **COMMIT)
     eq(new, [[30, 21, 32, X, X, X, X, X]])
-
-
-def test_commit_lookahead_drafts_and_draft_reuse():
-    ctx = context(8)
-    gen = arr([[X] * 8])
-    # Window [0, 4), lookahead [4, 6). Position 1's draft equals its prediction (21),
-    # position 2's does not; both at 0.75 (>= draft_threshold 0.7, < threshold 0.9).
-    st = make_lanes([[GENERATE]], [[0]], [[4]], G=8,
-                    draft=[[-1, 21, 99, -1, -1, -1, -1, -1]])
-    pconf = arr([[0.95, 0.75, 0.75, 0.1, 0.5, 0.5, 0.5, 0.5]], jnp.float32)
-    opts = {**COMMIT, "lookahead": 2}
-    new, out = commit_phase(ctx, gen, PRED, pconf, ALL.at[0, 5].set(False), st, arr([8]),
-                            **opts)
-    eq(new, [[20, 21, X, X, X, X, X, X]])  # the lookahead itself never commits
-    # Predictions made in the lookahead become its drafts (5 was not predicted).
-    eq(out.draft, [[-1, 21, 99, -1, 24, -1, -1, -1]])
 
 
 # -- cascade -------------------------------------------------------------------------------
@@ -568,39 +549,3 @@ def test_refresh_decides_the_next_full_forward():
     eq(out.need_full, [False])
 
 
-def test_renewals_take_the_refreshes_that_follow_the_window():
-    ctx = context(6)
-    gen = arr([[X] * 6])
-    yes, no = jnp.asarray([True]), jnp.asarray([False])
-    st = make_lanes([[GENERATE]], [[0]], [[4]], G=6, refreshes=1)
-    # With renew, an advance or travel makes the next call a renewal, not a full forward.
-    kw = {**REFRESH, "renew": 8}
-    out = refresh_phase(ctx, gen, gen, st, call([[2]]), yes, no, **kw)
-    eq(out.need_renew, [True])
-    eq(out.need_full, [False])
-    kw = {**REFRESH, "refresh_travel": 4, "renew": 8}
-    moved = st.replace(win=arr([5]), renew_win=arr([1]))
-    eq(refresh_phase(ctx, gen, gen, moved, call([[2]]), no, no, **kw).need_renew, [True])
-    # Travel counts from the last renewal, not the last full forward.
-    eq(refresh_phase(ctx, gen, gen, moved.replace(renew_win=arr([2])), call([[2]]), no, no,
-                     **kw).need_renew, [False])
-    # The renewal call itself: counted, its window start recorded, the flag cleared;
-    # the columns it re-encoded are fresh (and 0, which its query at column 2 encoded).
-    due = moved.replace(need_renew=yes)
-    renewed = jnp.asarray([[F, F, T, T, F, F]])
-    out = refresh_phase(ctx, gen, gen, due, call([[2]]), no, no, renewed=renewed, **kw)
-    eq(out.renewals, [1])
-    eq(out.renew_win, [5])
-    eq(out.need_renew, [False])
-    eq(out.fresh, [[T, F, T, T, F, F]])
-    # A full forward renews everything: no renewal is counted and none is due.
-    out = refresh_phase(ctx, gen, gen, due, call([[2]], full=True), no, no, **kw)
-    eq(out.renewals, [0])
-    eq(out.need_renew, [False])
-    # full_travel: a full forward once the window moved that far since the last one;
-    # a row due a full forward is not also due a renewal.
-    kw = {**kw, "full_travel": 4}
-    out = refresh_phase(ctx, gen, gen, moved.replace(full_win=arr([1])), call([[2]]), no, no,
-                        **kw)
-    eq(out.need_full, [True])
-    eq(out.need_renew, [False])
