@@ -56,6 +56,9 @@ from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.serve import budget as budget_lib
 
+# The longest an admission grace (Engine.admission_grace) holds the next chunk (seconds).
+MAX_GRACE_S = 0.05
+
 
 class EngineError(ValueError):
     """A request the engine cannot take (its message is for the client)."""
@@ -168,7 +171,10 @@ class _Pool:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.pad_len = np.zeros(0, np.int32)
         self.operands = jax.tree.map(jnp.asarray, schedule.operands())
-        self.programs: dict[int, tuple] = {}  # slots -> (init, chunk, resize)
+        self.programs: dict[int, tuple] = {}  # slots -> (init, chunk)
+        self.abstract: dict[int, object] = {}  # slots -> the state's shapes and placement
+        self.placers: dict[int, Callable] = {}
+        self.movers: dict[tuple[int, int], Callable] = {}  # (from, to) slots -> move
         self.compile_time = 0.0
         self.last_used = time.monotonic()
 
@@ -194,7 +200,7 @@ class _Pool:
 
     # -- programs ------------------------------------------------------------------------
     def program(self, b: int) -> tuple:
-        """(init, chunk, resize) at b slots, compiled on first use (from shapes only)."""
+        """(init, chunk) at b slots, compiled on first use (from shapes only)."""
         if b in self.programs:
             return self.programs[b]
         eng, cfg, schedule = self.engine, self.engine.cfg, self.schedule
@@ -220,27 +226,46 @@ class _Pool:
                 operands)
         fn = chunk.lower(*args).compile()
         shardings = fn.input_shardings[0][1]
-        axes = self.axes
+        dt = time.perf_counter() - t0
+        self.compile_time += dt
+        eng.compiles += 1
+        eng.compile_seconds += dt
 
-        def resize_fn(state, src, valid):
+        def place(state):
+            return jax.device_put(state, shardings)
+
+        self.abstract[b] = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+            shardings)
+        self.placers[b] = place
+        self.programs[b] = (lambda *a: place(init(*a)), fn)
+        return self.programs[b]
+
+    def mover(self, a: int, b: int):
+        """The program that moves the state from a slots to b (a gather of the rows in
+        flight into the first slots; the others free), compiled on first use; its
+        seconds count as compile seconds."""
+        if (a, b) in self.movers:
+            return self.movers[(a, b)]
+        self.program(a), self.program(b)
+        axes = self.axes
+        t0 = time.perf_counter()
+
+        def move(state, src, valid):
             leaves, treedef = jax.tree.flatten(state)
             moved = [x if ax is None else jnp.take(x, src, axis=ax)
                      for x, ax in zip(leaves, axes)]
             st = jax.tree.unflatten(treedef, moved)
             return st.replace(finished=jnp.where(valid, st.finished, True))
 
+        fn = jax.jit(move).lower(self.abstract[a], jax.ShapeDtypeStruct((b,), jnp.int32),
+                                 jax.ShapeDtypeStruct((b,), bool)).compile()
         dt = time.perf_counter() - t0
         self.compile_time += dt
-        eng.compiles += 1
-        eng.compile_seconds += dt
-
-        resize = jax.jit(resize_fn)
-
-        def place(state):
-            return jax.device_put(state, shardings)
-
-        self.programs[b] = (lambda *a: place(init(*a)), fn, lambda *a: place(resize(*a)))
-        return self.programs[b]
+        self.engine.compile_seconds += dt
+        place = self.placers[b]
+        self.movers[(a, b)] = lambda *args: place(fn(*args))
+        return self.movers[(a, b)]
 
     # -- state ---------------------------------------------------------------------------
     def resize(self, b: int) -> None:
@@ -254,7 +279,7 @@ class _Pool:
         if b == 0:
             self.state, self.rows, self.pad_len, self.size = None, [], self.pad_len[:0], 0
             return
-        init, _, resize = self.program(b)
+        init, _ = self.program(b)
         if self.state is None or not keep:
             self.state = None  # the old state goes before the new one is made
             self.state = init(self.engine.params, jax.random.key(self.engine.seed),
@@ -263,14 +288,15 @@ class _Pool:
         else:
             src = np.array(keep + [0] * (b - len(keep)), np.int32)
             valid = np.arange(b) < len(keep)
-            self.state = resize(self.state, jnp.asarray(src), jnp.asarray(valid))
+            self.state = self.mover(self.size, b)(self.state, jnp.asarray(src),
+                                                  jnp.asarray(valid))
             self.rows = [self.rows[i] for i in keep] + [None] * (b - len(keep))
             self.pad_len = np.where(valid, self.pad_len[src], 0).astype(np.int32)
         self.size = b
 
     def run_chunk(self, admit_n: int) -> None:
         eng, cfg, b = self.engine, self.engine.cfg, self.size
-        _, fn, _ = self.program(b)
+        _, fn = self.program(b)
         admit = np.zeros(b, bool)
         retire = np.zeros(b, bool)
         canvas_in = np.full((b, self.T), cfg.mask_token_id, np.int32)
@@ -397,6 +423,9 @@ class Engine:
         are dropped, least recently used first.
       precompile: at start, compile the default pools at every slot count ("all"), at
         the largest only ("largest"), or none ("none": on first use).
+      admission_grace: after a chunk that finished requests while other rows decode on
+        and nobody waits, hold the next chunk up to this fraction of the last round's
+        time (at most MAX_GRACE_S) for new requests to fill the freed rows (0: never).
     """
 
     def __init__(self, model, tokenizer, *, model_name: str, sampler: str = DEFAULT_SAMPLER,
@@ -405,7 +434,8 @@ class Engine:
                  queue_size: int = 64, max_prompt: int | None = None,
                  prompt_lengths: Sequence[int] | None = None, seed: int = 0,
                  compile_cache: str | None = None, kv_budget: int | str | None = None,
-                 max_pools: int = 32, precompile: str = "all"):
+                 max_pools: int = 32, precompile: str = "all",
+                 admission_grace: float = 0.25):
         if compile_cache:
             from asynclane_jax import compile_cache as cc
 
@@ -425,6 +455,7 @@ class Engine:
         self.slots, self.chunk, self.queue_size, self.seed = slots, chunk, queue_size, seed
         self.slot_buckets = budget_lib.slot_buckets(int(slots))
         self.max_pools, self.precompile = int(max_pools), precompile
+        self.admission_grace = float(admission_grace)
         self.max_prompt, self.prompt_lengths = prompt_buckets(
             self.cfg, self.gen_lengths, max_prompt, prompt_lengths)
         self.graphdef, self.params = nnx.split(model)
@@ -478,6 +509,10 @@ class Engine:
                 pool = self._pool(self._key(None, g, n))
                 for b in sizes:
                     pool.program(b)
+                for a in sizes:  # and the moves between them
+                    for b in sizes:
+                        if a != b:
+                            pool.mover(a, b)
         self._emitter = _Emitter(self)
         self._accepting = self._running = True
         self._thread = threading.Thread(target=self._loop, name="asynclane-engine",
@@ -631,7 +666,8 @@ class Engine:
             self.evicted += 1
 
     def _waiting(self) -> int:
-        return len(self._inbox) + sum(len(p.waiting) for p in self.pools.values())
+        pools = list(self.pools.values())  # a copy: the engine's thread adds and drops pools
+        return len(self._inbox) + sum(len(p.waiting) for p in pools)
 
     def _all_requests(self) -> list[_Request]:
         out = list(self._inbox)
@@ -647,7 +683,7 @@ class Engine:
         while True:
             with self._lock:
                 while (self._running and not self._inbox
-                       and not any(p.live or p.waiting for p in self.pools.values())):
+                       and not any(p.live or p.waiting for p in list(self.pools.values()))):
                     self._lock.wait(timeout=0.5)
                 if not self._running:
                     return
@@ -657,10 +693,30 @@ class Engine:
                     self._pool(req.pool_key).waiting.append(req)
                 except Exception as e:  # a pool that cannot be built fails its requests only
                     self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+            t0, done = time.perf_counter(), self.requests_done
             ran = self._round()
             if not ran:  # requests wait for memory, or all were cancelled: do not spin
                 with self._lock:
                     self._lock.wait(timeout=0.01)
+            elif self.requests_done > done and self.admission_grace > 0:
+                self._grace(self.requests_done - done,
+                            self.admission_grace * (time.perf_counter() - t0))
+
+    def _grace(self, freed: int, seconds: float) -> None:
+        """After a round that freed rows while others decode on and nobody waits: waits
+        up to `seconds` (at most MAX_GRACE_S) for as many new requests, so that the
+        clients just answered, who often send their next request at once, fill the rows
+        at the next chunk instead of one chunk later."""
+        pools = list(self.pools.values())
+        if not any(p.live for p in pools) or any(p.waiting for p in pools):
+            return
+        deadline = time.monotonic() + min(seconds, MAX_GRACE_S)
+        with self._lock:
+            while self._running and len(self._inbox) < freed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._lock.wait(left)
 
     def _round(self) -> bool:
         """One chunk of every pool with rows or admissions, at the sizes `plan` gives;
