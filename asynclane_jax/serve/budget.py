@@ -19,6 +19,11 @@ its waiting requests it admits:
   until it can (the oldest waiting request is not starved by a busy pool);
 - a request whose pool cannot hold even one row within the whole budget is refused at
   submit (`Engine.submit` raises `OverBudget`; the app answers 503).
+
+The budget bounds the state carried between chunks. A move between slot counts holds
+the old and the new state for a moment, and the chunk programs' temporaries
+(activations, logits) come on top: the default budget leaves the other half of the free
+memory for them.
 """
 
 from __future__ import annotations

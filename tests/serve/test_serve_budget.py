@@ -159,6 +159,15 @@ def test_dry_run_sizes_the_8b_server_without_weights(capsys):
                    "512", "--kv-budget", "100MiB"])
     text = capsys.readouterr().out
     assert rc == 1 and "more than the budget" in text and "dream-7b-instruct" in text
+    # A shipped model by name (its config only), int8 weights smaller than float32's.
+    args = ["serve", "--dry-run", "--model", "tiny-llada", "--max-tokens", "64",
+            "--max-prompt", "64", "--kv-budget", "1GiB", "--json"]
+    assert cli.main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--quantize", "int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert plain["kv_budget"] == GiB and plain["fits"] and plain["quantize"] == "none"
+    assert int8["weight_bytes"] < plain["weight_bytes"] and int8["quantize"] == "int8"
 
 
 def test_dry_run_refuses_a_bad_budget_or_model(capsys):
