@@ -339,7 +339,6 @@ class _Pool:
                 self.engine._finish(req, "error", error=message)
         while self.waiting:
             self.engine._finish(self.waiting.popleft(), "error", error=message)
-        self.rows = [None] * self.size
         self.state, self.rows, self.size = None, [], 0
 
 
@@ -654,11 +653,12 @@ class Engine:
     def _pool(self, key) -> _Pool:
         if key not in self.pools:
             self.pools[key] = _Pool(self, *key)
-            self._trim_pools()
+            self._trim_pools(keep=key)
         return self.pools[key]
 
-    def _trim_pools(self) -> None:
-        idle = sorted((p for p in self.pools.values() if not p.live and not p.waiting),
+    def _trim_pools(self, keep=None) -> None:
+        idle = sorted((p for p in self.pools.values()
+                       if not p.live and not p.waiting and p.key != keep),
                       key=lambda p: p.last_used)
         while len(self.pools) > self.max_pools and idle:
             p = idle.pop(0)
