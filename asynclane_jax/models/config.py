@@ -28,7 +28,8 @@ SIZE_LIMITS = {
 MAX_PARAMS = 10**12  # parameters (a 1T-parameter dense model is 2 TB in bfloat16)
 INT_FIELDS = tuple(SIZE_LIMITS)
 TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
-BOOL_FIELDS = ("qkv_bias", "tie_embeddings", "logit_shift", "block_causal", "scan_layers")
+BOOL_FIELDS = ("qkv_bias", "tie_embeddings", "logit_shift", "block_causal", "scan_layers",
+               "causal")
 
 
 def show(value, limit: int = 60) -> str:
@@ -102,6 +103,13 @@ def config_problems(c: Mapping[str, Any]) -> list[str]:
     for name in BOOL_FIELDS:
         if not isinstance(c.get(name), bool):
             problems.append(f"{name}={show(c.get(name))}: must be true or false")
+    if c.get("causal") is True:
+        if c.get("logit_shift") is not True:
+            problems.append("causal=true needs logit_shift=true: a causal model's output "
+                            "at column c predicts column c + 1")
+        if c.get("block_causal") is True:
+            problems.append("causal=true and block_causal=true: a model is trained one "
+                            "way or the other")
     for name in ("dtype", "param_dtype"):
         if c.get(name) not in DTYPES:
             problems.append(f"{name}={show(c.get(name))}: expected one of {DTYPES}")
@@ -146,6 +154,10 @@ class ModelConfig:
         (`layers.<name>`), run by a scan, so a compiled call holds one layer body. A
         converted folder stores the layout its config names; `checkpoint.load(...,
         scan_layers=)` reads either into either.
+      causal: trained as an autoregressive LM (next-token loss, causal attention over
+        the whole canvas, the prompt included): decoded by the `ar` sampler, whose
+        attention is the block-causal path with blocks of one column. It needs
+        logit_shift (the output at column c predicts c + 1) and excludes block_causal.
     """
 
     family: str
@@ -170,6 +182,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     block_causal: bool = False
     scan_layers: bool = False
+    causal: bool = False
 
     def __post_init__(self):
         problems = config_problems(dataclasses.asdict(self))
