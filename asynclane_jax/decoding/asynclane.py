@@ -552,6 +552,8 @@ class AsyncLaneSchedule(Schedule):
     structural: ClassVar[tuple[str, ...]] = ("gen_length", "delimiter_ids")
     # The bench: the sampler under study; its rows meet the baselines of its footing.
     under_study: ClassVar[bool] = True
+    # A refresh serves only the rows due one: the driver computes only those.
+    compact_full: ClassVar[bool] = True
     footing_options: ClassVar[tuple[str, ...]] = ("cascade",)
     block_length: int = 32
     threshold: float = 0.95

@@ -6,7 +6,8 @@ first call of its own shape before the loop (`Schedule.first_plan`). One iterati
   2. the driver makes it: a full forward over the whole canvas (its K/V become the cache
      of the rows it serves, when the schedule caches), or a cached call of the planned
      columns against the K/V of the whole canvas (their fresh K/V written in place);
-     both are `DiffusionLM.forward`, one code path;
+     both are `DiffusionLM.forward`, one code path (a full forward serving at most half
+     the rows computes only those, for schedules that allow it: `compact_buckets`);
   3. the schedule commits from the logits;
   4. the driver records the step at which each generated position was committed,
      counts calls and tokens, and marks the rows the schedule says are done.
@@ -46,6 +47,12 @@ from asynclane_jax.models.model import KVCache
 
 # Incremented each time the loop is traced; tests read it.
 TRACE_COUNT = {"decode": 0}
+
+# Whether a full forward that serves at most half the batch computes only the rows it
+# serves, for schedules that allow it (`ModelCalls.compact_buckets`). Read when a decode
+# is traced, and part of `compiled_decode`'s key; a test or a measurement turns it off
+# to compare.
+COMPACT_FULL = {"on": True}
 
 
 @struct.dataclass
@@ -232,15 +239,70 @@ class ModelCalls:
                 nfe_full=st.nfe_full + 1,
                 tokens_processed=st.tokens_processed + 2 * self.n_live * T,
                 row_full=st.row_full + serve), shape, serve, attended)
+        buckets = self.compact_buckets()
+        if not buckets:
+            return self.full_rows(st, read, serve, attended)
+        # The smallest bucket that holds the served rows, else all rows: exactly one
+        # of these at-most-one-trip loops runs.
+        n = jnp.sum(serve)
+        out, lo = jnp.zeros((b, n_read, self.vocab), jnp.float32), 0
+        for s in buckets:
+            out, st = run_if((n > lo) & (n <= s) if lo else n <= s,
+                             functools.partial(self.full_compact, read=read, serve=serve,
+                                               attended=attended, s=s), st, out)
+            lo = s
+        return run_if(n > lo, lambda x: self.full_rows(x, read, serve, attended), st, out)
+
+    def compact_buckets(self) -> tuple[int, ...]:
+        """The row counts s (1, 2, 4, ..., at most half the batch) of the compacted full
+        forwards this decode traces: none unless the schedule caches, opts in
+        (`Schedule.compact_full`) and `COMPACT_FULL` is on, and none when the active
+        sharding plan splits the batch axis (a gather of rows would cross its shards)."""
+        b = self.key_mask.shape[0]
+        plan = sharding.active()
+        if not (self.use_cache and self.schedule.compact_full and COMPACT_FULL["on"]) or (
+                plan is not None and plan.batch_multiple > 1):
+            return ()
+        return tuple(1 << i for i in range(b.bit_length()) if 2 * (1 << i) <= b)
+
+    def full_rows(self, st: DecodeState, read, serve, attended):
+        """The full forward over all b rows (only the served rows' cache written)."""
+        T = self.T
+        b, n_read = read.shape
         write = jnp.where(serve[:, None], self.cols, T)  # only served rows' cache
         logits, cache = self.model.forward(
-            st.canvas, self.positions, key_mask=keys, cache=st.cache,
+            st.canvas, self.positions, key_mask=self.key_mask, cache=st.cache,
             write_index=write if self.use_cache else None, logits_index=read,
-            block_ids=block_ids)
+            block_ids=self.block_ids)
         shape = CallShape("full", b, T, T, n_read, self.use_cache, T)
         return logits, self.count(st.replace(
             cache=cache, nfe_full=st.nfe_full + 1,
             tokens_processed=st.tokens_processed + self.n_live * T,
+            row_full=st.row_full + serve), shape, serve, attended)
+
+    def full_compact(self, st: DecodeState, *, read, serve, attended, s: int):
+        """The full forward over the served rows alone (at most s of them), gathered
+        into s rows with a fresh cache of s rows written in full; their K/V rows are
+        scattered into the decode's cache and their logits into [b, n, V] (zeros in the
+        rows not served). Counted as a call of s rows."""
+        T = self.T
+        b, n_read = read.shape
+        idx = jnp.nonzero(serve, size=s, fill_value=b)[0]  # [s]; b: an empty slot
+        rows = jnp.minimum(idx, b - 1)  # an empty slot computes a copy, then dropped
+        small = KVCache.zeros(self.model.cfg, s, T)
+        logits, small = self.model.forward(
+            st.canvas[rows], self.positions[rows], key_mask=self.key_mask[rows],
+            cache=small, write_index=jnp.broadcast_to(self.cols, (s, T)),
+            logits_index=read[rows],
+            block_ids=None if self.block_ids is None else self.block_ids[rows])
+        cache = KVCache(k=st.cache.k.at[:, idx].set(small.k, mode="drop"),
+                        v=st.cache.v.at[:, idx].set(small.v, mode="drop"))
+        logits = jnp.zeros((b, n_read, self.vocab), jnp.float32).at[idx].set(
+            logits, mode="drop")
+        shape = CallShape("full", s, T, T, n_read, True, T)
+        return logits, self.count(st.replace(
+            cache=cache, nfe_full=st.nfe_full + 1,
+            tokens_processed=st.tokens_processed + jnp.minimum(self.n_live, s) * T,
             row_full=st.row_full + serve), shape, serve, attended)
 
     def cached(self, st: DecodeState, plan: Plan, serve):
@@ -586,7 +648,7 @@ def compiled_decode(graphdef, params, canvas, pad_len, live, rng, operands=None,
     Returns:
       (Executable, whether this call compiled it).
     """
-    key = (graphdef, schedule, plan,
+    key = (graphdef, schedule, plan, COMPACT_FULL["on"],
            _abstract_key((params, canvas, pad_len, live, rng, operands)))
     exe = PROGRAMS.get(key)
     if exe is not None:

@@ -132,6 +132,10 @@ class Schedule:
     # `key=value` options a bench spec of this sampler gets when it names none; `a|b`
     # runs both and reports the faster (asynclane_jax.bench.spec).
     bench_defaults: ClassVar[tuple[str, ...]] = ()
+    # Whether the driver may compute a full forward over only the rows it serves (the
+    # others' cache kept as it is, their logits arbitrary): right for a schedule whose
+    # update reads nothing of a row it does not serve (driver.py: `compact_buckets`).
+    compact_full: ClassVar[bool] = False
     gen_length: int
 
     def __post_init__(self):

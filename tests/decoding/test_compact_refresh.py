@@ -1,0 +1,91 @@
+"""Compacted full forwards (driver.py, `ModelCalls.compact_buckets`): a full forward
+that serves at most half the batch computes only the served rows, gathered into the
+smallest bucket of 1, 2, 4, ... rows. Rows decode exactly as they do without it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import asynclane_jax
+from asynclane_jax.decoding import driver, generate
+from asynclane_jax.testbed import evaluate, tasks
+
+# Forking rows take their full forwards (refresh_travel=16) at different iterations.
+OPTS = dict(sampler="asynclane", bucket=64, gen_length=64, refresh_travel=16,
+            max_lanes=16, extra_queries=8)
+
+
+@contextlib.contextmanager
+def compaction(on: bool):
+    saved = driver.COMPACT_FULL["on"]
+    driver.COMPACT_FULL["on"] = on
+    try:
+        yield
+    finally:
+        driver.COMPACT_FULL["on"] = saved
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model, tokenizer, _ = asynclane_jax.load("tiny-llada")
+    prompts = evaluate.prompts_for(tasks.split("heldout", 4), tokenizer)
+    return model, tokenizer, prompts
+
+
+def full_calls(stats):
+    """{rows: (calls, [b] calls that served each row)} of the full forwards."""
+    out = {}
+    for i, shape in enumerate(stats.call_shapes):
+        if shape.kind == "full" and stats.shape_calls[i]:
+            out[shape.rows] = (int(stats.shape_calls[i]), stats.row_shape_calls[:, i])
+    return out
+
+
+def test_compacted_full_forwards_decode_as_the_whole_batch_ones(shipped):
+    model, tokenizer, prompts = shipped
+    with compaction(False):
+        whole = generate(model, prompts, tokenizer=tokenizer, **OPTS)
+    with compaction(True):
+        lean = generate(model, prompts, tokenizer=tokenizer, **OPTS)
+    assert lean.stats.compiled, "the setting is part of the program's key"
+    np.testing.assert_array_equal(lean.tokens, whole.tokens)
+    for f in ("commit_step", "row_steps", "row_nfe_full", "row_nfe_partial", "refreshes",
+              "forks"):
+        np.testing.assert_array_equal(getattr(lean.stats, f), getattr(whole.stats, f))
+    assert lean.stats.nfe_full == whole.stats.nfe_full
+    # Without compaction every full forward computes the 4 rows.
+    assert set(full_calls(whole.stats)) == {4}
+    # With it, the refreshes that serve one or two rows compute only those, and each
+    # row's full forwards are the same in number, whatever their shape.
+    got = full_calls(lean.stats)
+    assert set(got) <= {1, 2, 4} and set(got) - {4}, got
+    assert sum(c for c, _ in got.values()) == whole.stats.nfe_full
+    np.testing.assert_array_equal(sum(r for _, r in got.values()), whole.stats.row_nfe_full)
+    # The cost of what was computed: fewer rows of full forwards.
+    rows = sum(s * c for s, (c, _) in got.items())
+    assert rows < 4 * whole.stats.nfe_full
+
+
+def test_schedules_that_do_not_opt_in_are_unchanged(shipped):
+    model, tokenizer, prompts = shipped
+    # Fast-dLLM's dual cache: rows finished early leave later refreshes at a few rows,
+    # still computed over the whole batch.
+    opts = dict(sampler="fast-dllm", gen_length=64, cache="dual", bucket=64)
+    with compaction(True):
+        res = generate(model, prompts, **opts)
+    assert {s.rows for s in res.stats.call_shapes} == {4}
+
+
+def test_buckets():
+    for b, want in ((1, ()), (2, (1,)), (3, (1,)), (4, (1, 2)), (8, (1, 2, 4)),
+                    (16, (1, 2, 4, 8))):
+        calls = driver.ModelCalls.__new__(driver.ModelCalls)
+        calls.use_cache = True
+        calls.schedule = type("S", (), {"compact_full": True})()
+        calls.key_mask = np.zeros((b, 3), bool)
+        assert calls.compact_buckets() == want, b
+        calls.use_cache = False
+        assert calls.compact_buckets() == ()
