@@ -95,6 +95,11 @@ def _spec(engine, default_max_tokens: int | None, server_options: dict | None,
         vocab_size=vocab, max_prompt_chars=max_prompt_chars)
 
 
+def _cancel_submitted(task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().cancel()
+
+
 class _Submitted:
     """One request in the engine: its updates on this event loop, cut at stop strings.
 
@@ -127,10 +132,14 @@ class _Submitted:
             budget), 400 (a request the engine refuses).
         """
         parsed = self.parsed
+        task = asyncio.ensure_future(asyncio.to_thread(
+            self.engine.submit, parsed.prompt_ids, max_tokens=parsed.max_tokens,
+            options=parsed.options or None, on_update=self._on_update))
         try:
-            self.handle = await asyncio.to_thread(
-                self.engine.submit, parsed.prompt_ids, max_tokens=parsed.max_tokens,
-                options=parsed.options or None, on_update=self._on_update)
+            self.handle = await asyncio.shield(task)
+        except asyncio.CancelledError:  # the client left while it was submitted:
+            task.add_done_callback(_cancel_submitted)  # cancel it once it is in
+            raise
         except QueueFull as e:
             raise RequestError(f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
                                type="rate_limit_error", status=429,
