@@ -5,7 +5,8 @@ tokens equal a plain-Python greedy loop that runs the model's full causal forwar
 the growing sequence and takes the argmax at its last position, token for token, at
 batch 3 with prompts of different lengths; batch rows equal single-prompt runs; a row
 costs one call over its prompt and one call of one query per later position, fewer
-when it ends with an end-of-text. A bidirectional model is refused.
+when it ends with an end-of-text; rows admitted into a serving state at different
+times (`driver.serve_chunk`) decode the same. A bidirectional model is refused.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from asynclane_jax.decoding import generate
+from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding.api import build_canvas
 from asynclane_jax.decoding.ar import ArSchedule
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.models import init_model, tiny_dream
@@ -112,6 +114,24 @@ def test_ar_equals_greedy_causal_loop(causal):
         one_row = generate(model, [p], sampler="ar", gen_length=G, bucket=BUCKET)
         np.testing.assert_array_equal(one_row.tokens[0], res.tokens[i])
         assert int(one_row.stats.row_nfe_partial[0]) == calls[i]
+
+
+def test_ar_serves_rows_admitted_at_different_times(causal):
+    """Continuous batching: row 0 runs a few calls alone, then rows 1 and 2 join; every
+    row decodes as the greedy loop does, with its own call count."""
+    model, prompts, ref, calls = causal
+    schedule = ArSchedule(gen_length=G).bind(None, model.cfg)
+    canvas, pad_len, P = build_canvas(prompts, G, model.cfg, BUCKET)
+    graphdef, params = nnx.split(model)
+    b = canvas.shape[0]
+    chunk = jax.jit(partial(driver.serve_chunk, graphdef, schedule=schedule))
+    state = driver.serve_init(graphdef, params, canvas, jax.random.key(0), schedule=schedule)
+    for admit, steps in (([True, False, False], 3), ([False, True, True], 10_000)):
+        state = chunk(params, state, jnp.asarray(pad_len), jnp.asarray(admit),
+                      jnp.asarray(canvas), jnp.zeros((b,), bool), jnp.asarray(steps))
+    assert np.all(np.asarray(state.finished))
+    np.testing.assert_array_equal(np.asarray(state.canvas)[:, P:], ref)
+    np.testing.assert_array_equal(np.asarray(state.row_partial), calls)
 
 
 def test_ar_refuses_a_bidirectional_model():
