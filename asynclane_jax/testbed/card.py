@@ -35,6 +35,18 @@ def _long_names(task_set: str) -> str:
     return " and ".join(f for f in tasks.families_of(task_set) if f in tasks.LINE_FAMILIES)
 
 
+def _objective(tc: dict) -> str:
+    """The training objective, as the card's Training section opens."""
+    if tc.get("objective", "diffusion") == "causal":
+        return ("Next-token prediction (an autoregressive model: causal attention over the "
+                "whole canvas, cross-entropy of each answer token and of the first "
+                "end-of-text from the output one column before; decoded by the `ar` "
+                "sampler)")
+    return ("Masked diffusion (LLaDA's objective: t ~ U(ε, 1], each response token masked "
+            "with probability t, cross-entropy on masked tokens weighted 1/t, the response "
+            "region padded with end-of-text to its end)")
+
+
 def _curriculum(tc: dict) -> str:
     out = ""
     if tc.get("t_ramp"):
@@ -288,9 +300,7 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            f"eos = pad {m['eos_token_id']}) |",
            f"| max sequence length | {m['max_seq_len']} |", "",
            "## Training", "",
-           "Masked diffusion (LLaDA's objective: t ~ U(ε, 1], each response token masked "
-           "with probability t, cross-entropy on masked tokens weighted 1/t, the response "
-           "region padded with end-of-text to its end), AdamW "
+           _objective(tc) + ", AdamW "
            f"(lr {tc['lr']}, warmup {tc['warmup_steps']} steps, cosine over the wall-clock "
            f"budget to {tc['min_lr_ratio']}×, b2 {tc['b2']}, weight decay "
            f"{tc['weight_decay']}, clip {tc['clip_norm']}). " + _shapes(tc)

@@ -16,6 +16,13 @@ learned the format but not yet to fetch values (experiments/results/testbed/test
 Dream variant (`logit_shift=True` in the model config): the token at position i is
 predicted from the output at i - 1, so the masked position i is scored with logits[i-1].
 
+Causal variant (`TrainConfig.objective = "causal"`, the autoregressive baseline
+tiny-ar-v4): the same batches, nothing masked; causal attention over the whole canvas
+(the block-causal path with blocks of one column) and a next-token loss, the output at
+i - 1 scoring the token at i, over the answer and its first end-of-text (the tail after
+it is never decoded: the `ar` sampler stops there). The model config says `causal` and
+shifts its logits, and the monitor decodes with `ar`.
+
 Cost is dominated by canvas length, so most batches use a short response region and a
 minority long ones (256, 512) with fewer rows, keeping tokens per step roughly constant:
 the long batches teach EOS at far positions and a canvas mostly made of masks.
@@ -41,6 +48,8 @@ from asynclane_jax.models.config import ModelConfig
 from asynclane_jax.models.model import DiffusionLM
 from asynclane_jax.testbed import tasks
 from asynclane_jax.testbed import tokenizer as tok
+
+OBJECTIVES = ("diffusion", "causal")
 
 
 @dataclasses.dataclass
@@ -108,6 +117,22 @@ class TrainConfig:
     # starts from (same architecture; a vocabulary that grew at its end keeps the new
     # rows' random initialisation). None: random initialisation.
     init_from: str | None = None
+    # "diffusion" (the masked-diffusion loss above) or "causal" (a next-token loss with
+    # causal attention: an autoregressive model, decoded by the `ar` sampler; the
+    # mask-ratio curriculum does not apply).
+    objective: str = "diffusion"
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}: expected one of {OBJECTIVES}")
+        if (self.objective == "causal") != (self.eval_sampler == "ar"):
+            raise ValueError(f"objective={self.objective!r} with eval_sampler="
+                             f"{self.eval_sampler!r}: a causal model is monitored with "
+                             "the ar sampler, and only a causal model can be")
+
+    @property
+    def causal(self) -> bool:
+        return self.objective == "causal"
 
     def model_config(self) -> ModelConfig:
         dream = self.family == "dream"
@@ -117,8 +142,8 @@ class TrainConfig:
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, rope_theta=10000.0,
             norm_eps=1e-6 if dream else 1e-5, qkv_bias=bias, tie_embeddings=False,
-            logit_shift=dream, max_seq_len=self.max_seq_len, dtype="float32",
-            param_dtype="float32", **tok.special_ids())
+            logit_shift=dream or self.causal, max_seq_len=self.max_seq_len,
+            dtype="float32", param_dtype="float32", causal=self.causal, **tok.special_ids())
 
     def with_long_frac(self, frac: float) -> TrainConfig:
         """A copy whose long regions together get probability `frac`, keeping their
@@ -209,6 +234,16 @@ def v4_config(family: str = "llada", **changes) -> TrainConfig:
     base = v3_config(family)
     v4 = dict(name=base.name.replace("-v3", "-v4"), task_set="v4")
     return dataclasses.replace(base, **{**v4, **changes})
+
+
+def ar_v4_config(family: str = "llada", **changes) -> TrainConfig:
+    """tiny-ar-v4: the autoregressive baseline of a v4 teacher (v4_config(family)): the
+    same size, task set, buckets and budget, the causal objective (its config causal
+    and logit-shifted), monitored with the `ar` sampler; no mask-ratio curriculum (it
+    masks nothing)."""
+    base = v4_config(family)
+    ar = dict(name="tiny-ar-v4", objective="causal", eval_sampler="ar", t_ramp=0.0)
+    return dataclasses.replace(base, **{**ar, **changes})
 
 
 def v2_config(family: str = "llada", **changes) -> TrainConfig:
@@ -398,6 +433,32 @@ def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3,
                   "mask_frac": jnp.sum(m) / jnp.sum(response)}
 
 
+def causal_loss(model: DiffusionLM, batch: dict):
+    """The next-token loss of a causal model: causal attention over the whole canvas
+    (block ids = column indices), the output at i - 1 scoring the token at i, averaged
+    over the response's answer tokens and its first end-of-text (the EOS tail after it
+    is never decoded).
+
+    Returns:
+      (loss, aux) with aux["acc"] the next-token accuracy on those positions, aux["ce"]
+      the loss and aux["mask_frac"] their share of the response region.
+    """
+    tokens, response = batch["tokens"], batch["response"]
+    b, n = tokens.shape
+    cols = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    logits = model(tokens, key_mask=batch["key_mask"], block_ids=cols)[:, :-1]
+    targets = tokens[:, 1:]
+    eos = response & jnp.isin(tokens, jnp.asarray(model.cfg.stop_token_ids))
+    after_first = (jnp.cumsum(eos, axis=1) - eos) > 0
+    scored = (response & ~after_first)[:, 1:].astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    count = jnp.maximum(jnp.sum(scored), 1.0)
+    loss = jnp.sum(ce * scored) / count
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    return loss, {"acc": jnp.sum(correct * scored) / count, "ce": loss,
+                  "mask_frac": jnp.sum(scored) / jnp.sum(response)}
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW without its own learning rate: the step multiplies by lr (set per step from
     the wall-clock schedule, so a time budget always ends with a finished cosine)."""
@@ -438,9 +499,11 @@ def max_lines_at(tc: TrainConfig, progress: float) -> int:
     return int(round(start + (most - start) * frac))
 
 
-def make_train_step(graphdef, tx, t_eps: float) -> Callable:
+def make_train_step(graphdef, tx, t_eps: float, objective: str = "diffusion") -> Callable:
     def step(params, opt_state, batch, key, lr, t_max=1.0):
         def f(p):
+            if objective == "causal":
+                return causal_loss(nnx.merge(graphdef, p), batch)
             return diffusion_loss(nnx.merge(graphdef, p), batch, key, t_eps, t_max)
 
         (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -456,13 +519,15 @@ def make_train_step(graphdef, tx, t_eps: float) -> Callable:
 def monitor(model: DiffusionLM, problems: list[tasks.Problem], *, gen_length: int,
             prompt_length: int, sampler: str = "vanilla") -> dict:
     """Exact-match and per-line accuracy of greedy decoding: vanilla (steps =
-    gen_length) or Fast-dLLM (its defaults: threshold 0.9)."""
+    gen_length), Fast-dLLM (its defaults: threshold 0.9) or, for a causal model, ar."""
     from asynclane_jax.decoding import generate
 
     block = 32 if gen_length % 32 == 0 else gen_length
     options = {"steps": gen_length} if sampler == "vanilla" else {}
+    if sampler != "ar":  # ar has no blocks
+        options["block_length"] = block
     out = generate(model, [tok.prompt_ids(p.prompt) for p in problems], sampler=sampler,
-                   gen_length=gen_length, block_length=block, bucket=prompt_length,
+                   gen_length=gen_length, bucket=prompt_length,
                    **options).tokens
     ok = [tasks.check(p, row) for p, row in zip(problems, out)]
     lines = [tasks.line_accuracy(p, row) for p, row in zip(problems, out)]
@@ -541,7 +606,7 @@ class Trainer:
         self.graphdef, self.params = nnx.split(DiffusionLM(self.cfg, rngs=nnx.Rngs(tc.seed)))
         self.tx = make_optimizer(tc)
         self.opt_state = self.tx.init(self.params)
-        self.step_fn = make_train_step(self.graphdef, self.tx, tc.t_eps)
+        self.step_fn = make_train_step(self.graphdef, self.tx, tc.t_eps, tc.objective)
         self.step = 0
         self.elapsed = 0.0  # training seconds, across resumes
         self.history: list[dict] = []
