@@ -1,0 +1,125 @@
+"""AsyncLane at batch 8 with and without compacted full forwards (driver.py,
+`ModelCalls.compact_buckets`): a full forward that serves at most half the rows computes
+only those rows, gathered into a bucket of 1, 2 or 4 rows, instead of all 8.
+
+Decodes the first `--n` held-out problems of the model's task set, `--batch` at a time,
+with AsyncLane's defaults, once with compaction on and once off (`driver.COMPACT_FULL`)
+on every batch, alternating which goes first; both programs compiled on the first batch
+before anything is timed. Checks that tokens, commit steps and per-row call counts are
+the same, and reports tokens/s (tokens before the first end-of-text over the compiled
+loop's `decode_time`), the full forwards by rows computed, and the model calls priced by
+the cost model (asynclane_jax.costs) on the v5e, v6e and H200 chips at 8B size.
+
+Results: experiments/results/decode/compact_refresh.{md,json}.
+
+Usage: python experiments/compact_refresh.py [--model tiny-llada-v4b] [--n 128]
+       [--batch 8] [--gen-length 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import platform
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+
+import asynclane_jax
+from asynclane_jax.bench import project
+from asynclane_jax.costs import roofline
+from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding.stats import CallShape
+from asynclane_jax.testbed import evaluate, tasks
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "decode"
+CHIPS = (("v5e", "int8"), ("v6e", "bf16"), ("h200", "bf16"))
+SAME = ("commit_step", "row_steps", "row_nfe_full", "row_nfe_partial", "refreshes")
+
+
+def decode(model, tokenizer, prompts, bucket, gen_length, on: bool):
+    saved = driver.COMPACT_FULL["on"]
+    driver.COMPACT_FULL["on"] = on
+    try:
+        return generate(model, prompts, sampler="asynclane", gen_length=gen_length,
+                        bucket=bucket, tokenizer=tokenizer)
+    finally:
+        driver.COMPACT_FULL["on"] = saved
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny-llada-v4b")
+    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--gen-length", type=int, default=512)
+    args = ap.parse_args()
+
+    model, tokenizer, _ = asynclane_jax.load(args.model)
+    problems = tasks.split("heldout", args.n, tasks.model_task_set(args.model))
+    prompts = evaluate.prompts_for(problems, tokenizer)
+    bucket = max(len(p) for p in prompts)
+    chunks = [range(s, min(s + args.batch, args.n)) for s in range(0, args.n, args.batch)]
+    for on in (True, False):  # compile both before timing anything
+        decode(model, tokenizer, [prompts[j] for j in chunks[0]], bucket, args.gen_length, on)
+
+    runs = {on: dict(time=0.0, tokens=0, right=0, calls=collections.Counter(),
+                     row_calls=collections.Counter()) for on in (True, False)}
+    differ = 0
+    for c, chunk in enumerate(chunks):
+        got = {}
+        for on in ((True, False) if c % 2 == 0 else (False, True)):
+            res = decode(model, tokenizer, [prompts[j] for j in chunk], bucket,
+                         args.gen_length, on)
+            got[on] = res
+            r = runs[on]
+            r["time"] += res.stats.decode_time
+            r["tokens"] += int(sum(res.stats.generated_tokens))
+            r["right"] += sum(evaluate.check(problems[j], row)
+                              for j, row in zip(chunk, res.tokens))
+            for d in res.stats.calls_by_shape():
+                shape = CallShape.from_dict(d)
+                r["calls"][shape] += d["calls"]
+                r["row_calls"][shape] += d["row_calls"]
+        differ += int(np.sum(got[True].tokens != got[False].tokens))
+        for f in SAME:
+            if not np.array_equal(getattr(got[True].stats, f), getattr(got[False].stats, f)):
+                raise SystemExit(f"batch {c}: {f} differs with compaction")
+        print(f"batch {c + 1}/{len(chunks)}: {runs[True]['time']:.1f}s on, "
+              f"{runs[False]['time']:.1f}s off", file=sys.stderr, flush=True)
+
+    cfg8 = project.project_model_config(None, model.cfg.family)
+    out = {}
+    for on, r in runs.items():
+        counts = list(r["calls"].items())
+        out["on" if on else "off"] = {
+            "decode_time": r["time"], "tokens": r["tokens"], "right": r["right"],
+            "tokens_per_s": r["tokens"] / r["time"],
+            "calls": [{**s.to_dict(), "calls": n, "row_calls": r["row_calls"][s]}
+                      for s, n in sorted(counts, key=lambda x: (x[0].kind, -x[0].rows))],
+            "projected_tokens_per_s": {
+                project.label(chip, w): roofline.tokens_per_s(chip, cfg8, counts,
+                                                              r["tokens"], w)
+                for chip, w in CHIPS}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    meta = {"command": shlex.join(["python", "experiments/compact_refresh.py",
+                                   *sys.argv[1:]]),
+            "commit": commit, "model": args.model, "n": args.n, "batch": args.batch,
+            "gen_length": args.gen_length, "bucket": bucket,
+            "machine": f"{platform.machine()} CPU, {platform.processor() or ''}".strip(", "),
+            "tokens_differ": differ, "same": list(SAME),
+            "project_model": project.DEFAULT_PROJECT_MODELS[model.cfg.family]}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "compact_refresh.json").write_text(
+        json.dumps({"meta": meta, "runs": out}, indent=1) + "\n")
+    print(json.dumps({"meta": meta, "runs": out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
