@@ -5,10 +5,11 @@ only those rows, gathered into a bucket of 1, 2 or 4 rows, instead of all 8.
 Decodes the first `--n` held-out problems of the model's task set, `--batch` at a time,
 with AsyncLane's defaults, once with compaction on and once off (`driver.COMPACT_FULL`)
 on every batch, alternating which goes first; both programs compiled on the first batch
-before anything is timed. Checks that tokens, commit steps and per-row call counts are
-the same, and reports tokens/s (tokens before the first end-of-text over the compiled
-loop's `decode_time`), the full forwards by rows computed, and the model calls priced by
-the cost model (asynclane_jax.costs) on the v5e, v6e and H200 chips at 8B size.
+before anything is timed. Counts the rows whose tokens, commit steps or per-row call
+counts differ between the two (none expected), and reports tokens/s (tokens before the
+first end-of-text over the compiled loop's `decode_time`), the full forwards by rows
+computed, and the model calls priced by the cost model (asynclane_jax.costs) on the v5e,
+v6e and H200 chips at 8B size. --out: another place for the JSON (a run elsewhere).
 
 Results: experiments/results/decode/compact_refresh.{md,json}.
 
@@ -27,6 +28,7 @@ import shlex
 import subprocess
 import sys
 
+import jax
 import numpy as np
 
 import asynclane_jax
@@ -57,6 +59,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--gen-length", type=int, default=512)
+    ap.add_argument("--out", default=str(RESULTS / "compact_refresh.json"))
     args = ap.parse_args()
 
     model, tokenizer, _ = asynclane_jax.load(args.model)
@@ -69,7 +72,7 @@ def main() -> int:
 
     runs = {on: dict(time=0.0, tokens=0, right=0, calls=collections.Counter(),
                      row_calls=collections.Counter()) for on in (True, False)}
-    differ = 0
+    differ, mismatch = 0, dict.fromkeys(SAME, 0)
     for c, chunk in enumerate(chunks):
         got = {}
         for on in ((True, False) if c % 2 == 0 else (False, True)):
@@ -86,9 +89,10 @@ def main() -> int:
                 r["calls"][shape] += d["calls"]
                 r["row_calls"][shape] += d["row_calls"]
         differ += int(np.sum(got[True].tokens != got[False].tokens))
-        for f in SAME:
-            if not np.array_equal(getattr(got[True].stats, f), getattr(got[False].stats, f)):
-                raise SystemExit(f"batch {c}: {f} differs with compaction")
+        for f in SAME:  # rows whose figure differs with compaction (none expected)
+            mismatch[f] += int(np.sum(np.any(
+                (getattr(got[True].stats, f) != getattr(got[False].stats, f)).reshape(
+                    len(chunk), -1), axis=1)))
         print(f"batch {c + 1}/{len(chunks)}: {runs[True]['time']:.1f}s on, "
               f"{runs[False]['time']:.1f}s off", file=sys.stderr, flush=True)
 
@@ -112,10 +116,11 @@ def main() -> int:
             "commit": commit, "model": args.model, "n": args.n, "batch": args.batch,
             "gen_length": args.gen_length, "bucket": bucket,
             "machine": f"{platform.machine()} CPU, {platform.processor() or ''}".strip(", "),
-            "tokens_differ": differ, "same": list(SAME),
+            "backend": jax.default_backend(), "tokens_differ": differ,
+            "rows_differ": mismatch,
             "project_model": project.DEFAULT_PROJECT_MODELS[model.cfg.family]}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "compact_refresh.json").write_text(
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(
         json.dumps({"meta": meta, "runs": out}, indent=1) + "\n")
     print(json.dumps({"meta": meta, "runs": out}, indent=1))
     return 0
