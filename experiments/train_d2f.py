@@ -117,29 +117,11 @@ def decode_state_loss(student, teacher, batch: dict, key, *, block_length: int,
         [jnp.zeros((b, prompt_length), bool), jnp.repeat(queried, block_length, axis=1)],
         axis=1)[:, :n]
     masked = response & (jax.random.uniform(k_m, (b, n)) < col_ratio)
-    noisy = jnp.where(masked, cfg.mask_token_id, tokens)
-    masked = masked & col_queried  # the positions the loss reads
-    ids = jnp.broadcast_to(jnp.asarray(distill.block_ids(n, prompt_length, block_length)),
-                           (b, n))
-    s_logits = student(noisy, key_mask=key_mask, block_ids=ids)
-    t_logits = jax.lax.stop_gradient(teacher(noisy, key_mask=key_mask))
-    targets = tokens
-    if cfg.logit_shift:  # position i is read from the output at i - 1
-        s_logits, t_logits = s_logits[:, :-1], t_logits[:, :-1]
-        targets, masked, col_ratio = tokens[:, 1:], masked[:, 1:], col_ratio[:, 1:]
-    t_logp = jax.nn.log_softmax(t_logits, axis=-1)
-    s_logp = jax.nn.log_softmax(s_logits, axis=-1)
-    t_p = jnp.exp(t_logp)
-    soft_ce = -jnp.sum(t_p * s_logp, axis=-1)
-    kl = jnp.sum(t_p * (t_logp - s_logp), axis=-1)
-    m = masked.astype(jnp.float32)
-    count = jnp.maximum(jnp.sum(m), 1.0)
-    weight = jnp.where(masked, 1.0 / jnp.maximum(col_ratio, t_eps), 0.0)
-    loss = jnp.sum(soft_ce * weight) / jnp.sum(response)
-    s_top = jnp.argmax(s_logits, -1)
-    return loss, {"kl": jnp.sum(kl * m) / count,
-                  "acc": jnp.sum((s_top == targets) * m) / count,
-                  "agree": jnp.sum((s_top == jnp.argmax(t_logits, -1)) * m) / count}
+    # The noisy state is drawn over every block; the loss reads the queried ones only.
+    return distill.masked_distill_loss(
+        student, teacher, tokens, response, key_mask, masked, col_ratio,
+        block_length=block_length, prompt_length=prompt_length, t_eps=t_eps,
+        read=col_queried)
 
 
 class StateDistiller(distill.Distiller):

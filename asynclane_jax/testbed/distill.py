@@ -124,7 +124,6 @@ def distill_loss(student: DiffusionLM, teacher: DiffusionLM, batch: dict, key, *
       aux["acc"] the student's argmax accuracy there against the data, aux["agree"]
       its agreement with the teacher's argmax.
     """
-    cfg = student.cfg
     tokens, response, key_mask = batch["tokens"], batch["response"], batch["key_mask"]
     b, n = tokens.shape
     nb = -(-(n - prompt_length) // block_length)
@@ -133,7 +132,25 @@ def distill_loss(student: DiffusionLM, teacher: DiffusionLM, batch: dict, key, *
     col_ratio = jnp.concatenate(
         [jnp.ones((b, prompt_length)), jnp.repeat(ratios, block_length, axis=1)], axis=1)[:, :n]
     masked = response & (jax.random.uniform(k_m, (b, n)) < col_ratio)
+    return masked_distill_loss(student, teacher, tokens, response, key_mask, masked,
+                               col_ratio, block_length=block_length,
+                               prompt_length=prompt_length, t_eps=t_eps)
+
+
+def masked_distill_loss(student: DiffusionLM, teacher: DiffusionLM, tokens, response,
+                        key_mask, masked, col_ratio, *, block_length: int,
+                        prompt_length: int, t_eps: float, read=None):
+    """The loss and its aux for a drawn noisy state: the tokens at `masked` [b, n]
+    replaced by the mask token, the student read block-causally and the teacher
+    bidirectionally; the soft cross-entropy at the masked positions (those in `read`
+    [b, n] only, when given), each weighted by 1 / its column's mask ratio `col_ratio`
+    [b, n] (floored at t_eps), over the response's length. Shared by `distill_loss` and
+    other draws of the state (experiments/train_d2f.py)."""
+    cfg = student.cfg
+    b, n = tokens.shape
     noisy = jnp.where(masked, cfg.mask_token_id, tokens)
+    if read is not None:
+        masked = masked & read
     ids = jnp.broadcast_to(jnp.asarray(block_ids(n, prompt_length, block_length)), (b, n))
     s_logits = student(noisy, key_mask=key_mask, block_ids=ids)
     t_logits = jax.lax.stop_gradient(teacher(noisy, key_mask=key_mask))
@@ -148,7 +165,7 @@ def distill_loss(student: DiffusionLM, teacher: DiffusionLM, batch: dict, key, *
     kl = jnp.sum(t_p * (t_logp - s_logp), axis=-1)
     m = masked.astype(jnp.float32)
     count = jnp.maximum(jnp.sum(m), 1.0)
-    loss = jnp.sum(soft_ce * m / col_ratio) / jnp.sum(response)
+    loss = jnp.sum(soft_ce * m / jnp.maximum(col_ratio, t_eps)) / jnp.sum(response)
     s_top = jnp.argmax(s_logits, -1)
     return loss, {"kl": jnp.sum(kl * m) / count,
                   "acc": jnp.sum((s_top == targets) * m) / count,
@@ -254,4 +271,5 @@ class Distiller:
                                overwrite=True)
 
 
-__all__ = ["DistillConfig", "Distiller", "block_ids", "distill_loss", "trainable"]
+__all__ = ["DistillConfig", "Distiller", "block_ids", "distill_loss", "masked_distill_loss",
+           "trainable"]
