@@ -201,14 +201,7 @@ def run(args) -> int:
                          "requests in the loop share one random stream)")
     _positive(args, "slots", "chunk", "queue", "default_max_tokens", "max_prompt",
               "max_body_bytes", "max_prompt_chars", "max_pools")
-    kv_budget = None
-    if args.kv_budget is not None:
-        from asynclane_jax.serve.budget import BudgetError, parse_bytes
-
-        try:
-            kv_budget = parse_bytes(args.kv_budget)
-        except BudgetError as e:
-            raise UsageError(f"--kv-budget {e}") from None
+    kv_budget = _size_arg(args.kv_budget, "--kv-budget")
     for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "drain_timeout"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be "
@@ -275,19 +268,26 @@ def run(args) -> int:
     return 0
 
 
+def _size_arg(value, flag: str):
+    """A size flag's bytes (`budget.parse_bytes`: 8GiB, 500MB, plain bytes), or None
+    when the flag was not given; a bad size is a one-line usage error."""
+    if value is None:
+        return None
+    from asynclane_jax.serve.budget import BudgetError, parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except BudgetError as e:
+        raise UsageError(f"{flag} {e}") from None
+
+
 def dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget) -> int:
     """--dry-run: prints the footprint (`footprint.Footprint`); 0 when it fits."""
     from asynclane_jax.generate_cli import DEFAULT_MODEL
-    from asynclane_jax.serve.budget import BudgetError, parse_bytes
     from asynclane_jax.serve.engine import EngineError
     from asynclane_jax.serve.footprint import footprint
 
-    device = None
-    if args.device_memory is not None:
-        try:
-            device = parse_bytes(args.device_memory)
-        except BudgetError as e:
-            raise UsageError(f"--device-memory {e}") from None
+    device = _size_arg(args.device_memory, "--device-memory")
     try:
         report = footprint(args.model or DEFAULT_MODEL, sampler=sampler, options=options,
                            slots=args.slots, gen_lengths=buckets, max_prompt=args.max_prompt,
