@@ -35,6 +35,7 @@ from typing import Any
 
 from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 from asynclane_jax.errors import UsageError
+from asynclane_jax.serve.budget import size_text  # bytes for people (no JAX there)
 
 GIB = 2 ** 30
 
@@ -157,13 +158,6 @@ def tpu_slice(topology: str, hbm_gib: float | None = None) -> Slice:
         raise AotError(f"hbm_gib={hbm_gib!r}: must be positive")
     return Slice(topology=name, generation=gen, shape=shape, devices=devices,
                  device_kind=kind, hbm_bytes=int(hbm * GIB))
-
-
-def size_text(n: int) -> str:
-    """Bytes for people: GiB from 1 GiB up, then MiB, then KiB."""
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def _first_line(e: BaseException) -> str:
