@@ -129,19 +129,11 @@ def text_frontier(eos, G: int, cascade: bool):
     return jnp.minimum(eos + 1, G) if cascade else jnp.full_like(eos, G)
 
 
-def lane_members(lanes: LaneState, G: int, kinds):
-    """[b, G, M] whether generated position j lies in slot m's span [start, end) and m's
-    kind is one of `kinds`."""
-    j = jnp.arange(G)[None, :, None]
-    live = jnp.isin(lanes.kind, jnp.asarray(kinds))[:, None, :]
-    return live & (j >= lanes.start[:, None, :]) & (j < lanes.end[:, None, :])
-
-
 def lane_owner(lanes: LaneState, G: int, kinds):
     """[b, G] int32: the slot whose span [start, end) holds generated position j and
     whose kind is one of `kinds`; M where none does. The spans of a row's lanes are
     disjoint (they tile its region), so a position lies in at most one of them, and the
-    owner is found in O(G + M) per row instead of over `lane_members`' [b, G, M] masks:
+    owner is found in O(G + M) per row instead of over [b, G, M] membership masks:
     each chosen non-empty span marks its start, the latest start at or before j is
     carried forward (a running maximum), and j belongs to that span when it lies before
     its end. (Were two spans to overlap, the one with the latest start at or before j

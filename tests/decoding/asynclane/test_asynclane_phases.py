@@ -14,7 +14,6 @@ from asynclane_jax.decoding.asynclane import (
     cascade_phase,
     commit_phase,
     fork_phase,
-    lane_members,
     lane_owner,
     per_lane,
     refresh_phase,
@@ -64,6 +63,15 @@ def arr(x, dtype=jnp.int32):
 
 
 # -- helpers -------------------------------------------------------------------------------
+def lane_members(lanes: LaneState, G: int, kinds):
+    """[b, G, M] whether generated position j lies in slot m's span [start, end) and m's
+    kind is one of `kinds`: the plain membership masks that `lane_owner` is checked
+    against."""
+    j = jnp.arange(G)[None, :, None]
+    live = jnp.isin(lanes.kind, jnp.asarray(kinds))[:, None, :]
+    return live & (j >= lanes.start[:, None, :]) & (j < lanes.end[:, None, :])
+
+
 def test_text_frontier_and_lane_members():
     eq(text_frontier(arr([2, 7, 8]), 8, True), [3, 8, 8])  # the tail starts after the EOS
     eq(text_frontier(arr([2, 7, 8]), 8, False), [8, 8, 8])  # no cascade: no tail
