@@ -21,6 +21,14 @@ no prediction in cached calls. Fast-dLLM's Dream block decoding therefore commit
 s, by argmax, at the block-start step (`shift_commits_block_start`), which is always a
 full forward.
 
+Per-row refresh (`row_refresh`, off by default, as published): a row entering a block
+gets its refresh at once. A full forward serves only the rows entering one (the others
+wait that iteration, their canvas frozen), and the driver computes it over those rows
+alone (`Schedule.compact_full`: the update commits nothing in a row it does not serve).
+This is how AsyncLane refreshes its rows, so at batch > 1 it is the baseline's equal
+footing; each row decodes the same tokens either way, and at batch 1 the calls are the
+same too.
+
 The cascade (`cascade`, off by default, as published) puts a block sampler on
 AsyncLane's footing (asynclane.py): an end-of-text committed at p ends the row there:
 every later position becomes end-of-text at once (mid-block, unlike `early_stop`, which
@@ -47,6 +55,9 @@ from asynclane_jax.decoding.schedule import (
 )
 
 CACHE_MODES = ("none", "prefix", "dual")
+# The most rows a decode with `row_refresh` may have: each row's block entries may cost
+# the others an iteration, so the loop's step cap grows with the batch.
+ROW_REFRESH_MAX_ROWS = 256
 
 
 @struct.dataclass
@@ -72,6 +83,11 @@ class BlockSchedule(Schedule):
       cascade: an end-of-text committed at p ends the row there at once: every later
         position becomes end-of-text and no call is spent on the tail, as asynclane's
         cascade (off as published).
+      row_refresh: with a cache, refresh each row as soon as it enters a block (a full
+        forward over the entering rows alone; the others wait one iteration), as
+        asynclane refreshes its rows; off: the published batched refresh, once every
+        unfinished row has entered its block. Same tokens and calls per row; at
+        batch > 1 no row waits for the slowest to finish its block.
     """
 
     # The sampler's usual block length (None: one block of gen_length).
@@ -82,10 +98,16 @@ class BlockSchedule(Schedule):
     # The bench (Schedule): both footing options; the faster cache by default.
     footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade")
     bench_defaults: ClassVar[tuple[str, ...]] = ("cache=prefix|dual",)
+    # The update commits only in served rows and `select` keeps no per-row state that
+    # an unserved row's (arbitrary) logits could change, so a full forward may be
+    # computed over the served rows alone. A sampler whose `select` keeps such state
+    # sets this False.
+    compact_full: ClassVar[bool] = True
     block_length: int | None = None
     cache: str = "none"
     early_stop: bool = False
     cascade: bool = False
+    row_refresh: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,6 +127,11 @@ class BlockSchedule(Schedule):
         if self.cascade not in (True, False):
             raise SamplerError(f"{n}: cascade={self.cascade!r} must be true or false")
         object.__setattr__(self, "cascade", bool(self.cascade))
+        if self.row_refresh not in (True, False):
+            raise SamplerError(f"{n}: row_refresh={self.row_refresh!r} must be true or false")
+        object.__setattr__(self, "row_refresh", bool(self.row_refresh))
+        if self.row_refresh and self.cache == "none":
+            raise SamplerError(f"{n}: row_refresh needs a cache (cache=prefix or dual)")
 
     @property
     def num_blocks(self) -> int:
@@ -117,7 +144,10 @@ class BlockSchedule(Schedule):
     def max_iterations(self) -> int:
         # Every served iteration commits at least one token; with a cache a row may also
         # wait while its batch mates finish their blocks (at most G iterations in all).
-        return 2 * self.gen_length + self.num_blocks + 2
+        # With row_refresh a cached iteration serves every live row (so there are at
+        # most G of them) and a full one at least one row entering a block.
+        extra = self.num_blocks * ROW_REFRESH_MAX_ROWS if self.row_refresh else 0
+        return 2 * self.gen_length + self.num_blocks + 2 + extra
 
     # -- the sampler's part ---------------------------------------------------------
     def init_policy(self, batch: int) -> Any:
@@ -141,6 +171,9 @@ class BlockSchedule(Schedule):
     # -- the schedule -----------------------------------------------------------------
     def init(self, ctx: Context) -> BlockState:
         b = ctx.batch
+        if self.row_refresh and b > ROW_REFRESH_MAX_ROWS:
+            raise SamplerError(f"{self.name or type(self).__name__}: row_refresh decodes "
+                               f"at most {ROW_REFRESH_MAX_ROWS} rows at once, not {b}")
         return BlockState(block=jnp.zeros((b,), jnp.int32),
                           step_in_block=jnp.zeros((b,), jnp.int32),
                           policy=self.init_policy(b))
@@ -162,7 +195,7 @@ class BlockSchedule(Schedule):
         if not self.uses_cache:
             return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
         need = live & (state.step_in_block == 0)
-        refresh = jnp.all(need | ~live)
+        refresh = jnp.any(need) if self.row_refresh else jnp.all(need | ~live)
         if self.cache == "dual":
             cached_q = cols
         else:  # prefix: the block start to the canvas end

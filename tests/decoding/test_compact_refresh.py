@@ -5,12 +5,14 @@ smallest bucket of 1, 2, 4, ... rows. Rows decode exactly as they do without it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
 
 import asynclane_jax
 from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding.fast_dllm import FastDllmSchedule
 from asynclane_jax.testbed import evaluate, tasks
 
 # Forking rows take their full forwards (refresh_travel=16) at different iterations.
@@ -69,14 +71,46 @@ def test_compacted_full_forwards_decode_as_the_whole_batch_ones(shipped):
     assert rows < 4 * whole.stats.nfe_full
 
 
+@dataclasses.dataclass(frozen=True)
+class NoCompaction(FastDllmSchedule):
+    """Fast-dLLM with compaction declined, as a sampler whose select kept per-row state
+    would (not registered: no `name` of its own is set)."""
+
+    compact_full = False
+
+
 def test_schedules_that_do_not_opt_in_are_unchanged(shipped):
     model, tokenizer, prompts = shipped
-    # Fast-dLLM's dual cache: rows finished early leave later refreshes at a few rows,
-    # still computed over the whole batch.
-    opts = dict(sampler="fast-dllm", gen_length=64, cache="dual", bucket=64)
+    # The dual cache with a per-row refresh: refreshes of one or two rows, still
+    # computed over the whole batch.
+    schedule = NoCompaction(gen_length=64, cache="dual", row_refresh=True)
     with compaction(True):
-        res = generate(model, prompts, **opts)
+        res = generate(model, prompts, sampler=schedule, bucket=64)
     assert {s.rows for s in res.stats.call_shapes} == {4}
+
+
+def test_block_baselines_refresh_each_row_when_due(shipped):
+    """`row_refresh` (block.py): a row entering a block is refreshed at once, over the
+    entering rows alone; the batched refresh waits for every row. Same tokens, the same
+    calls per row, fewer cached calls."""
+    model, tokenizer, prompts = shipped
+    opts = dict(sampler="fast-dllm", gen_length=64, block_length=16, cache="dual",
+                cascade=True, bucket=64)
+    with compaction(True):
+        batched = generate(model, prompts, **opts)
+        per_row = generate(model, prompts, row_refresh=True, **opts)
+    np.testing.assert_array_equal(per_row.tokens, batched.tokens)
+    np.testing.assert_array_equal(per_row.stats.row_nfe_full, batched.stats.row_nfe_full)
+    got = full_calls(per_row.stats)
+    assert set(got) - {4}, got  # some refreshes computed over fewer rows
+    assert sum(c for c, _ in got.values()) > batched.stats.nfe_full
+    np.testing.assert_array_equal(sum(r for _, r in got.values()),
+                                  batched.stats.row_nfe_full)
+    # Rows that a batched refresh leaves waiting for the slowest are served instead:
+    # fewer cached calls, each computing the whole batch.
+    assert per_row.stats.nfe_partial < batched.stats.nfe_partial
+    np.testing.assert_array_equal(per_row.stats.row_nfe_partial,
+                                  batched.stats.row_nfe_partial)
 
 
 def test_buckets():
