@@ -215,7 +215,8 @@ def commit_phase(ctx: Context, gen, pred, pconf, has, lanes: LaneState, frontier
       pred, pconf, has: [b, G] from `scatter_predictions`.
       lanes: LaneState (win, kind, start, end, split, steps are read).
       frontier: [b] `text_frontier` of the end-of-text before this iteration.
-      block_length .. refine_budget: the schedule's settings of those names.
+      block_length .. refine_budget: the schedule's settings of those names (threshold
+        a number, or [b, 1] per row: the schedule passes its traced per-row values).
       refine_owner: [b, G] `lane_owner(lanes, G, (REFINE,))` when the caller has it
         (computed here when None).
     Returns:
@@ -547,6 +548,9 @@ class AsyncLaneSchedule(Schedule):
     # A refresh serves only the rows due one: the driver computes only those.
     compact_full: ClassVar[bool] = True
     footing_options: ClassVar[tuple[str, ...]] = ("cascade",)
+    # Per-row arguments of the program (schedule.py): rows at different thresholds
+    # decode in one program.
+    traced_options: ClassVar[tuple[str, ...]] = ("threshold",)
     block_length: int = 32
     threshold: float = 0.95
     max_lanes: int | None = None
@@ -711,7 +715,8 @@ class AsyncLaneSchedule(Schedule):
         owner = self._refine_owner(st, G)  # once per iteration: the plan's lanes
         new = commit_phase(
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),
-            block_length=B, threshold=self.threshold, refine_budget=self.refine_budget,
+            block_length=B, threshold=self.row_option(ctx, "threshold")[:, None],
+            refine_budget=self.refine_budget,
             refine_owner=owner)
         new, lanes = cascade_phase(ctx, new, st, cascade=self.cascade)
         # The cascade only terminates lanes and cuts their ends: a position keeps its

@@ -31,6 +31,9 @@ logit-shifted model), so at most that many blocks are in flight; a block is adde
 when there is room (the public code has no such cap; with a cap no smaller than the
 number of blocks the two decode alike). Blocks that were never added (the row ended
 with an end-of-text first) become end-of-text when the row finishes.
+
+The three thresholds are traced options (schedule.py: `traced_options`): per-row
+arguments of the compiled program, read with `row_option`.
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class D2FSchedule(Schedule):
 
     name = "d2f"
     structural = ("gen_length", "block_causal")
+    traced_options = ("block_add_threshold", "decoded_token_threshold", "skip_threshold")
     block_length: int = 32
     block_add_threshold: float = 0.1
     decoded_token_threshold: float = 0.95
@@ -196,7 +200,7 @@ class D2FSchedule(Schedule):
 
         # Commit: above the threshold; a fully activated block with none above commits
         # its most confident masked position.
-        above = masked & (conf > self.skip_threshold)
+        above = masked & (conf > self.row_option(ctx, "skip_threshold")[:, None])
         A = self.window // B
         conf_b = jnp.where(masked, conf, -jnp.inf).reshape(-1, A, B)
         top1 = jax.nn.one_hot(jnp.argmax(conf_b, axis=-1), B, dtype=bool).reshape(masked.shape)
@@ -227,15 +231,15 @@ class D2FSchedule(Schedule):
         last_frac = jnp.take_along_axis(decoded, jnp.maximum(added - 1, 0)[:, None],
                                         axis=1)[:, 0] / B
         add = (serve & ~eos & (added < nb) & (added + 1 - first_after <= A)
-               & (last_frac >= self.block_add_threshold))
+               & (last_frac >= self.row_option(ctx, "block_add_threshold")))
         new = jnp.arange(nb)[None, :] == added[:, None]
         blocks = jnp.where(add[:, None] & new, ACTIVE, blocks)
 
         # Full activation: the predecessor has decoded enough (the prompt counts as done).
         prev_frac = jnp.concatenate([jnp.ones_like(decoded[:, :1]), decoded[:, :-1]],
                                     axis=-1) / B
-        complete = state.complete | ((blocks != ABSENT) & (prev_frac >=
-                                                           self.decoded_token_threshold))
+        act = self.row_option(ctx, "decoded_token_threshold")[:, None]
+        complete = state.complete | ((blocks != ABSENT) & (prev_frac >= act))
 
         # A row with nothing left to decode ends; blocks never added become end-of-text.
         # A row whose window filled with blocks that all finished in this call, with no

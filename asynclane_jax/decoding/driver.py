@@ -38,6 +38,7 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from asynclane_jax import sharding
@@ -77,12 +78,22 @@ class DecodeState:
     sched: Any  # the schedule's own state
 
 
-def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None) -> Context:
+def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,
+                 traced=None) -> Context:
     b, T = canvas_shape
     return Context(batch=b, prompt_len=T - schedule.gen_length, gen_length=schedule.gen_length,
                    shift=1 if cfg.logit_shift else 0, mask_id=cfg.mask_token_id,
                    eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
-                   pad_len=pad_len, operands=operands)
+                   pad_len=pad_len, operands=operands, traced=traced)
+
+
+def traced_arrays(schedule: Schedule, b: int) -> dict | None:
+    """The schedule's traced options as the program's per-row arguments: {name: [b]
+    float32 numpy array}, every row at the schedule's value; None when it has none."""
+    values = schedule.traced_values()
+    if not values:
+        return None
+    return {n: np.full((b,), v, np.float32) for n, v in values.items()}
 
 
 def check_plan(schedule: Schedule, plan: Plan, b: int, where: str = "plan") -> None:
@@ -343,7 +354,7 @@ class Loop:
     max_iter: int
 
 
-def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
+def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, traced=None, *,
                schedule: Schedule, tap=None, pieces: bool = False,
                sites: CallSites | None = None):
     """The loop's pieces: (initial DecodeState, body(state) -> state, cond(state) -> bool).
@@ -358,6 +369,8 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
       live: [b] bool, False for rows that only pad the batch (they start finished).
       rng: PRNG key.
       operands: the schedule's arrays (`Schedule.operands()`), seen as `ctx.operands`.
+      traced: {name: [b] float32} per-row values of the schedule's `traced_options`,
+        seen as `ctx.traced` (None: the schedule's own values, constants of the trace).
       schedule: the sampler (static).
       tap: optional stand-in for `schedule.update` with its arguments, returning
         (canvas, state, extra) where extra is any pytree of arrays; `body` then
@@ -373,7 +386,7 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     model = nnx.merge(graphdef, params)
     cfg = model.cfg
     b, T = canvas.shape
-    ctx = make_context(cfg, schedule, canvas.shape, pad_len, operands)
+    ctx = make_context(cfg, schedule, canvas.shape, pad_len, operands, traced)
     P, G = ctx.prompt_len, ctx.gen_length
     use_cache = schedule.uses_cache
     calls = ModelCalls(model, schedule, ctx, pad_len, n_live=jnp.sum(live).astype(jnp.int32),
@@ -450,7 +463,7 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
                 max_iter=max_iter)
 
 
-def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
+def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, traced=None, *,
                 schedule: Schedule, sites: CallSites | None = None) -> DecodeState:
     """Runs a schedule to completion in one lax.while_loop (arguments as build_loop).
 
@@ -459,20 +472,20 @@ def decode_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
     """
     TRACE_COUNT["decode"] += 1
     state, body, cond = build_loop(graphdef, params, canvas, pad_len, live, rng, operands,
-                                   schedule=schedule, sites=sites)
+                                   traced, schedule=schedule, sites=sites)
     return jax.lax.while_loop(cond, body, state)
 
 
-def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-                      schedule, sites: CallSites | None = None):
+def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, operands=None,
+                      traced=None, *, schedule, sites: CallSites | None = None):
     """`decode_loop` without the K/V cache in the result: what `generate` compiles."""
-    state = decode_loop(graphdef, params, canvas, pad_len, live, rng, operands,
+    state = decode_loop(graphdef, params, canvas, pad_len, live, rng, operands, traced,
                         schedule=schedule, sites=sites)
     return state.replace(cache=None)  # large, and not needed by the caller
 
 
 def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in, retire,
-                chunk, operands=None, *, schedule: Schedule) -> DecodeState:
+                chunk, operands=None, traced=None, *, schedule: Schedule) -> DecodeState:
     """One chunk of continuous batching over the rows of a carried DecodeState: every
     chunk size, admission and retirement runs in this one compiled program.
 
@@ -494,6 +507,9 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
       canvas_in: [b, T] int32; read only in admitted rows.
       chunk: [] int32, the most iterations to run (traced: any value, one program).
       operands: the schedule's arrays.
+      traced: {name: [b] float32} each slot's values of the schedule's traced options
+        (a server's requests each at their own threshold, in one program); a slot's
+        value must stay the same while its row decodes.
       schedule: the sampler (static).
     Returns:
       The new DecodeState.
@@ -502,7 +518,7 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
     st = state.replace(finished=state.finished | retire)
     canvas = jnp.where(admit[:, None], canvas_in, st.canvas)
     loop = build_loop(graphdef, params, canvas, pad_len, admit | ~st.finished, st.rng,
-                      operands, schedule=schedule, pieces=True)
+                      operands, traced, schedule=schedule, pieces=True)
     fresh = loop.state  # a fresh decode's state (its zero cache is never used)
 
     def pick(new, old):
@@ -536,13 +552,14 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
     return st
 
 
-def serve_init(graphdef, params, canvas, rng, operands=None, *,
+def serve_init(graphdef, params, canvas, rng, operands=None, traced=None, *,
                schedule: Schedule) -> DecodeState:
     """The carried state of `serve_chunk` before any row is admitted: every row
     finished (a free slot), a zero cache. canvas: [b, T] int32, for the shapes."""
     b = canvas.shape[0]
     loop = build_loop(graphdef, params, canvas, jnp.zeros((b,), jnp.int32),
-                      jnp.zeros((b,), bool), rng, operands, schedule=schedule, pieces=True)
+                      jnp.zeros((b,), bool), rng, operands, traced, schedule=schedule,
+                      pieces=True)
     return loop.state
 
 
@@ -556,6 +573,10 @@ class Executable:
     shapes: tuple = ()  # (canvas [b, T], operand shapes) it was compiled for
     uses: int = 0  # calls served from the cache after the first
     call_shapes: tuple[CallShape, ...] = ()  # its model calls' shapes, by counter slot
+    # The compiled program itself, which takes the traced options' per-row arrays
+    # ({name: [b] float32}, `traced_arrays`) as a seventh argument; `fn` binds them to
+    # the schedule it was asked for (`compiled_decode`).
+    program: Any = None
 
 
 class ProgramCache:
@@ -625,44 +646,63 @@ def _abstract_key(tree) -> tuple:
                        for x in leaves))
 
 
-def lower_decode(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
-                 schedule: Schedule, plan: sharding.ShardingPlan | None = None,
+def lower_decode(graphdef, params, canvas, pad_len, live, rng, operands=None, traced=None,
+                 *, schedule: Schedule, plan: sharding.ShardingPlan | None = None,
                  sites: CallSites | None = None):
     """The decode lowered for these arguments (arrays or ShapeDtypeStructs, placed on
     the plan's mesh when there is one), with the plan's constraints on the activations
     and the cache. `.compile()` it for the arguments' backend. `sites` receives the
-    call shapes the trace numbered."""
+    call shapes the trace numbered. Without `traced`, the schedule's traced options are
+    constants of the program; `compiled_decode` passes them as arguments."""
     jitted = jax.jit(functools.partial(decode_for_caller, graphdef, schedule=schedule,
                                        sites=sites))
     with sharding.use(plan):
-        return jitted.lower(params, canvas, pad_len, live, rng, operands)
+        return jitted.lower(params, canvas, pad_len, live, rng, operands, traced)
+
+
+def _place_traced(traced: dict | None, plan: sharding.ShardingPlan | None):
+    """The traced options' [b] arrays where the program takes them: the default device,
+    or replicated over the plan's mesh (each process filling its own devices)."""
+    if traced is None or plan is None:
+        return None if traced is None else {n: jnp.asarray(v) for n, v in traced.items()}
+    where = plan.replicated()
+    return {n: jax.make_array_from_callback(v.shape, where, lambda i, v=v: v[i])
+            for n, v in traced.items()}
 
 
 def compiled_decode(graphdef, params, canvas, pad_len, live, rng, operands=None, *,
                     schedule: Schedule, plan: sharding.ShardingPlan | None = None
                     ) -> tuple[Executable, bool]:
     """The compiled program for these shapes (and sharding plan), compiling it on first
-    use. Operands enter the key by shape and dtype only: schedules that differ only in
-    their operands' values share one program.
+    use. Operands enter the key by shape and dtype only, and the schedule by its
+    `structure()` (its traced options left out): schedules that differ only in their
+    operands' values or their traced options' values share one program.
+
+    The program takes the traced options as [b] float32 arguments (`traced_arrays`);
+    the Executable returned has them bound to this schedule's values, so its `fn` takes
+    the six arguments given here (its `program` takes per-row values as a seventh).
 
     Returns:
       (Executable, whether this call compiled it).
     """
-    key = (graphdef, schedule, plan, COMPACT_FULL["on"],
-           _abstract_key((params, canvas, pad_len, live, rng, operands)))
+    structure = schedule.structure()
+    traced = _place_traced(traced_arrays(schedule, canvas.shape[0]), plan)
+    key = (graphdef, structure, plan, COMPACT_FULL["on"],
+           _abstract_key((params, canvas, pad_len, live, rng, operands, traced)))
     exe = PROGRAMS.get(key)
-    if exe is not None:
-        return exe, False
-    t0 = time.perf_counter()
-    sites = CallSites()
-    fn = lower_decode(graphdef, params, canvas, pad_len, live, rng, operands,
-                      schedule=schedule, plan=plan, sites=sites).compile()
-    shapes = (tuple(canvas.shape),
-              tuple(tuple(x.shape) for x in jax.tree.leaves(operands)))
-    exe = Executable(fn=fn, compile_time=time.perf_counter() - t0, schedule=schedule,
-                     shapes=shapes, call_shapes=tuple(sites.shapes))
-    PROGRAMS.put(key, exe)
-    return exe, True
+    compiled = exe is None
+    if compiled:
+        t0 = time.perf_counter()
+        sites = CallSites()
+        fn = lower_decode(graphdef, params, canvas, pad_len, live, rng, operands, traced,
+                          schedule=structure, plan=plan, sites=sites).compile()
+        shapes = (tuple(canvas.shape),
+                  tuple(tuple(x.shape) for x in jax.tree.leaves(operands)))
+        exe = Executable(fn=fn, compile_time=time.perf_counter() - t0, schedule=schedule,
+                         shapes=shapes, call_shapes=tuple(sites.shapes), program=fn)
+        PROGRAMS.put(key, exe)
+    program = exe.program
+    return dataclasses.replace(exe, fn=lambda *args: program(*args, traced)), compiled
 
 
 def compiled_programs() -> list[dict]:

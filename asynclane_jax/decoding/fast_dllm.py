@@ -12,6 +12,10 @@ and Dream alike. That is Fast-dLLM's LLaDA no-cache code; its only no-cache Drea
 blockless threshold decoding over the whole generation, which this sampler does not
 reproduce exactly (the nearest setting is `block_length=gen_length`), so on Dream
 `fast-dllm` with `cache="none"` is our block-wise variant, not a published one.
+
+`threshold` is a traced option (schedule.py: `traced_options`): each row's value is an
+argument of the compiled program, kept in the row's block state from its start, so
+rows at different thresholds decode in one program.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class FastDllmSchedule(BlockSchedule):
 
     name = "fast-dllm"
     shift_commits_block_start = True
+    traced_options = ("threshold",)
     threshold: float = 0.9
     factor: float | None = None
 
@@ -46,13 +51,18 @@ class FastDllmSchedule(BlockSchedule):
         if self.factor is not None and not self.factor > 0:
             raise SamplerError(f"fast-dllm: factor={self.factor} must be positive")
 
+    def init(self, ctx):
+        # The sampler's state: each row's traced options ([b] float32), read by select.
+        state = super().init(ctx)
+        return state.replace(policy={n: self.row_option(ctx, n) for n in self.traced_options})
+
     def select(self, logits, masked, step_in_block, key, pstate):
         x0, conf = greedy_confidence(logits)
         conf = jnp.where(masked, conf, ops.NEG_INF)
         rank = ops.rank_of(conf)
         first = (rank == 0) & masked
         if self.factor is None:
-            commit = first | (masked & (conf >= self.threshold))
+            commit = first | (masked & (conf >= pstate["threshold"][:, None]))
         else:
             # Threshold for the n-th most confident (n = rank + 1): 1 - f / (n + 1).
             th = 1.0 - self.factor / (rank.astype(jnp.float32) + 2.0)

@@ -5,6 +5,9 @@ In the current block: the most confident masked position always commits; anchors
 masked positions with confidence >= threshold; within `radius` of any anchor a masked
 position commits at confidence >= relaxed_threshold, elsewhere at >= threshold. With no
 anchor this is Fast-dLLM threshold decoding.
+
+`threshold` and `relaxed_threshold` are traced options (schedule.py: `traced_options`),
+kept per row in the block state from the row's start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class LocalLeapSchedule(BlockSchedule):
 
     name = "localleap"
     shift_commits_block_start = True
+    traced_options = ("threshold", "relaxed_threshold")
     threshold: float = 0.9
     relaxed_threshold: float = 0.75
     radius: int = 4
@@ -47,11 +51,17 @@ class LocalLeapSchedule(BlockSchedule):
         if self.radius < 0:
             raise SamplerError(f"localleap: radius={self.radius} must be >= 0")
 
+    def init(self, ctx):
+        # The sampler's state: each row's traced options ([b] float32), read by select.
+        state = super().init(ctx)
+        return state.replace(policy={n: self.row_option(ctx, n) for n in self.traced_options})
+
     def select(self, logits, masked, step_in_block, key, pstate):
         x0, conf = greedy_confidence(logits)
         conf = jnp.where(masked, conf, ops.NEG_INF)
         first = (ops.rank_of(conf) == 0) & masked
-        anchor = masked & (conf >= self.threshold)  # [b, B]
+        anchor = masked & (conf >= pstate["threshold"][:, None])  # [b, B]
         in_hood = ops.near_anchor(anchor, self.radius)  # [b, B]
-        commit = first | anchor | (masked & in_hood & (conf >= self.relaxed_threshold))
+        relaxed = pstate["relaxed_threshold"][:, None]
+        commit = first | anchor | (masked & in_hood & (conf >= relaxed))
         return commit, x0, pstate

@@ -15,7 +15,11 @@ compiled program. Each iteration of the driver's one `lax.while_loop`:
 
 A schedule that needs arrays (learned weights) returns them from `operands()`; the
 driver makes them arguments of the compiled program and the schedule reads them as
-`ctx.operands` (see `Schedule.operands`).
+`ctx.operands` (see `Schedule.operands`). Options whose values change no shape or branch
+of the program (thresholds) are declared in `traced_options`: the driver passes them as
+per-row [b] float32 arguments (`ctx.traced`), so schedules that differ only in them
+share one program, and one batch may hold rows at different values (a server's
+requests); the schedule reads them with `row_option`.
 
 Dream's logit shift lives in one place, `CallOutput`: the output at column q predicts
 column q + shift, for full and cached calls alike. A schedule that wants logits for
@@ -28,6 +32,7 @@ defaults and their help (the CLI's included) come from its dataclass fields and 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, ClassVar
 
@@ -97,6 +102,10 @@ class Context:
     # The schedule's arrays (`Schedule.operands()`), traced arguments of the program;
     # None when it has none.
     operands: Any = None
+    # The per-row values of the schedule's `traced_options`: {name: [b] float32},
+    # traced arguments of the program; None when the caller gave none (the schedule's
+    # own values are then constants of the program: `Schedule.row_option`).
+    traced: Any = None
 
     @property
     def length(self) -> int:  # T = P + G
@@ -136,6 +145,12 @@ class Schedule:
     # others' cache kept as it is, their logits arbitrary): right for a schedule whose
     # update reads nothing of a row it does not serve (driver.py: `compact_buckets`).
     compact_full: ClassVar[bool] = False
+    # Options whose values change no shape and no Python branch of the program (float
+    # thresholds): the driver passes them per row as [b] float32 arguments
+    # (`ctx.traced`), they are left out of the compiled program's key (`structure`), and
+    # the schedule reads them inside the trace with `row_option`, never as
+    # `self.<name>`. Validation stays on the host, in `__post_init__`.
+    traced_options: ClassVar[tuple[str, ...]] = ()
     gen_length: int
 
     def __post_init__(self):
@@ -163,6 +178,32 @@ class Schedule:
         (layer counts, head counts) in ordinary fields.
         """
         return None
+
+    # -- per-row traced options -----------------------------------------------------
+    def traced_values(self) -> dict[str, float]:
+        """{name: value} of this schedule's `traced_options`."""
+        return {n: float(getattr(self, n)) for n in self.traced_options}
+
+    def structure(self) -> Schedule:
+        """This schedule with every traced option at its field default: what a compiled
+        program is keyed by and traced with (the values come in as arguments), so two
+        schedules that differ only in traced values have one structure. Built without
+        `__post_init__`, whose checks the values passed in the original."""
+        if not self.traced_options:
+            return self
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        out = copy.copy(self)
+        for n in self.traced_options:
+            object.__setattr__(out, n, fields[n].default)
+        return out
+
+    def row_option(self, ctx: Context, name: str):
+        """[b] float32: each row's value of the traced option `name`: the program's
+        argument (`ctx.traced`) when the driver passed one, else this schedule's own
+        value, as a constant of the program."""
+        if ctx.traced is not None and name in ctx.traced:
+            return ctx.traced[name]
+        return jnp.full((ctx.batch,), getattr(self, name), jnp.float32)
 
     # -- what the driver asks -------------------------------------------------------
     @property
