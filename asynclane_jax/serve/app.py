@@ -19,7 +19,9 @@ key (401), its content type (415) and reads its body with a bound (413, 408).
 
 Errors are OpenAI's error body, {"error": {"message", "type", "param", "code"}}: 400 for
 a refused request (bad JSON, a body that is not UTF-8, nested too deep, holding a lone
-surrogate, an unknown field, a field that cannot be honoured, a prompt too long), 404 for
+surrogate, an unknown field, a field that cannot be honoured, a prompt too long, a
+structural sampler option the operator did not allow: code option_not_allowed, its
+message naming the allowed values and the options a request may set freely), 404 for
 another model, 429 when the engine's queue is full, 500 for a request the engine failed
 (that request only), 503 while the engine is shutting down (and for a request the drain
 cancelled; in a stream, an error event then [DONE]) and for a request that the memory
@@ -42,7 +44,13 @@ import time
 from typing import Any
 
 from asynclane_jax.serve import protocol, require
-from asynclane_jax.serve.engine import EngineError, EngineStopped, OverBudget, QueueFull
+from asynclane_jax.serve.engine import (
+    EngineError,
+    EngineStopped,
+    OptionNotAllowed,
+    OverBudget,
+    QueueFull,
+)
 from asynclane_jax.serve.guard import Guard, HostGate, Security
 from asynclane_jax.serve.metrics import START_KEY, Metrics, RequestMetrics, endpoint
 from asynclane_jax.serve.protocol import RequestError
@@ -154,7 +162,8 @@ class _Submitted:
                                    type="server_error", code="shutting_down",
                                    status=503) from None
             param = "sampler_options" if parsed.options else None
-            raise RequestError(protocol.scrub(str(e)), param=param) from None
+            code = "option_not_allowed" if isinstance(e, OptionNotAllowed) else None
+            raise RequestError(protocol.scrub(str(e)), param=param, code=code) from None
         if self.done:  # closed (the client left) while it was being submitted
             self.handle.cancel()
         self.request_id = self.handle.request_id

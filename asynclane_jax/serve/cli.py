@@ -4,8 +4,16 @@
   asynclane-jax serve --model /models/llada-8b-instruct --sampler fast-dllm --cache dual \\
       --slots 16 --max-tokens 256 --compile-cache /tmp/jax-cache
 
-The sampler and its options are the `generate` flags; they apply to every request (a
-request may override options through its `sampler_options` field). Generation lengths
+The sampler and its options are the `generate` flags; they apply to every request. A
+request may set the sampler's traced options (thresholds) to any valid value through its
+`sampler_options` field, in the programs that exist; its structural options (block
+length, cache, lane slots, ...) are these flags', or those of a configuration given with
+--allow-options (repeatable, at most 7: each one more pool and its programs), else a
+400 naming what is allowed:
+
+  asynclane-jax serve --sampler fast-dllm --cache dual --allow-options cache=prefix
+
+Generation lengths
 are buckets, each one compiled program: 128, 256, 512 up to --max-tokens (which is the
 largest), or --gen-lengths; a request decodes at the smallest bucket >= its max_tokens.
 SIGTERM (or Ctrl-C) stops admitting requests, finishes those in flight (up to
@@ -98,6 +106,12 @@ def register(subparsers) -> None:
                         "default: no request waits for a compile), at --slots only "
                         "(largest: a pool then compiles a smaller count when it first "
                         "runs one), or none")
+    p.add_argument("--allow-options", action="append", default=None,
+                   metavar="KEY=VALUE[,KEY=VALUE]",
+                   help="a further configuration of the sampler's structural options that "
+                        "a request may pick by sending them in sampler_options (over the "
+                        "sampler flags; repeatable, at most 7). Thresholds need none: a "
+                        "request may send any valid value")
     p.add_argument("--dry-run", action="store_true",
                    help="print the server's memory footprint (weights, each pool's state "
                         "per slot count, the budget) from the model's config, without "
@@ -229,6 +243,7 @@ def run(args) -> int:
     from asynclane_jax.generate_cli import DEFAULT_MODEL, _sampler_and_options
 
     sampler, options = _sampler_and_options(args)
+    allow = allowed_configs(sampler, args.allow_options)
     if args.dry_run:
         return dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget)
     import asynclane_jax
@@ -253,7 +268,7 @@ def run(args) -> int:
                         max_prompt=args.max_prompt, prompt_lengths=prompt_lengths,
                         compile_cache=getattr(args, "compile_cache", None),
                         kv_budget=kv_budget, max_pools=args.max_pools,
-                        precompile=args.precompile)
+                        precompile=args.precompile, allow_options=allow)
         app = create_app(engine, default_max_tokens=args.default_max_tokens,
                          server_options=options, drain_timeout=args.drain_timeout,
                          security=security, max_prompt_chars=args.max_prompt_chars)
@@ -266,6 +281,32 @@ def run(args) -> int:
         print("asynclane-jax serve: error: the server did not start", file=sys.stderr)
         return 1
     return 0
+
+
+def allowed_configs(sampler: str, values: list[str] | None) -> list[dict]:
+    """--allow-options values as option dicts, each value read with the sampler's field
+    type.
+
+    Raises:
+      UsageError: not KEY=VALUE pairs, an option the sampler lacks or a value not of
+        its type.
+    """
+    from asynclane_jax.decoding.registry import convert_option, get_schedule_class
+    from asynclane_jax.decoding.schedule import SamplerError
+
+    cls = get_schedule_class(sampler)
+    out = []
+    for value in values or ():
+        pairs = [p.strip() for p in value.split(",") if p.strip()]
+        if not pairs or any("=" not in p for p in pairs):
+            raise UsageError(f"--allow-options {value!r}: comma-separated KEY=VALUE pairs")
+        try:
+            out.append({k.strip().replace("-", "_"): convert_option(
+                cls, k.strip().replace("-", "_"), v.strip())
+                for k, v in (p.split("=", 1) for p in pairs)})
+        except SamplerError as e:
+            raise UsageError(f"--allow-options {value!r}: {e}") from None
+    return out
 
 
 def _size_arg(value, flag: str):

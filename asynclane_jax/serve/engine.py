@@ -1,6 +1,6 @@
 """Continuous batching over the decode loop's row slots, within a memory budget.
 
-The engine keeps, per (sampler settings, generation bucket, prompt bucket), a pool whose
+The engine keeps, per (sampler structure, generation bucket, prompt bucket), a pool whose
 rows are carried on the device between calls of one compiled program,
 `driver.serve_chunk`: it retires cancelled rows, admits waiting requests into free rows
 (their first model call inside the same program) and runs up to `chunk` loop
@@ -9,6 +9,14 @@ that are done; a second host thread (the emitter) detokenizes and hands each req
 text its contiguous committed prefix gained (a diffusion LM commits out of order: a
 token is sent only when every token before it is committed, and never again), while the
 engine's thread runs the next chunk.
+
+Per-request options. A sampler's traced options (`Schedule.traced_options`: thresholds)
+change no shape of its program: each row's values are per-row arguments of the pool's
+program, so a request may send any valid value and runs in the pool that exists (no
+new pool, no compile). Every other option is structural (block length, cache, lane
+slots, ...): the operator fixes it at start (`options`, plus at most MAX_CONFIGS
+configurations a request may pick, `allow_options`); a request asking for another gets
+`OptionNotAllowed`, whose message names what is allowed (a 400 at the server).
 
 Active-batch buckets: a pool runs at the smallest slot count of 1, 2, 4, ... up to
 `slots` (`budget.slot_buckets`) that holds its rows and the requests it admits, each
@@ -58,6 +66,9 @@ from asynclane_jax.serve import budget as budget_lib
 
 # The longest an admission grace (Engine.admission_grace) holds the next chunk (seconds).
 MAX_GRACE_S = 0.05
+# Structural configurations an operator may allow, at most (the server's own included):
+# each is a pool, and its programs, of its own.
+MAX_CONFIGS = 8
 
 
 class EngineError(ValueError):
@@ -74,6 +85,11 @@ class EngineStopped(EngineError):
 
 class OverBudget(EngineError):
     """A request whose pool cannot hold one row within the whole memory budget."""
+
+
+class OptionNotAllowed(EngineError):
+    """A request's structural sampler option that none of the operator's configurations
+    has (its message names the allowed values and the per-request options)."""
 
 
 @dataclasses.dataclass
@@ -109,6 +125,7 @@ class _Request:
     max_tokens: int
     pool_key: tuple
     on_update: Callable[[Update], None]
+    traced: dict = dataclasses.field(default_factory=dict)  # its traced option values
     seq: int = 0  # arrival order
     cancelled: bool = False
     sent: int = 0  # tokens handed to the emitter
@@ -155,8 +172,9 @@ def pool_layout(graphdef, params, schedule, rows_shape: tuple[int, int], mask_id
 
 
 class _Pool:
-    """One schedule at one generation bucket and prompt bucket: its state at its current
-    slot count (`size`, 0 when it holds none) and its programs by slot count."""
+    """One schedule structure at one generation bucket and prompt bucket: its state at
+    its current slot count (`size`, 0 when it holds none), its rows' traced option
+    values, and its programs by slot count."""
 
     def __init__(self, engine: Engine, schedule, gen_length: int, prompt_length: int):
         self.engine, self.schedule, self.G = engine, schedule, gen_length
@@ -170,6 +188,10 @@ class _Pool:
         self.rows: list[_Request | None] = []
         self.waiting: collections.deque[_Request] = collections.deque()
         self.pad_len = np.zeros(0, np.int32)
+        # Each slot's traced option values ({name: [size] float32}; a free slot holds
+        # the structure's own value).
+        self.defaults = schedule.traced_values()
+        self.traced = {n: np.zeros(0, np.float32) for n in self.defaults}
         self.operands = jax.tree.map(jnp.asarray, schedule.operands())
         self.programs: dict[int, tuple] = {}  # slots -> (init, chunk)
         self.abstract: dict[int, object] = {}  # slots -> the state's shapes and placement
@@ -217,13 +239,13 @@ class _Pool:
         # a fresh state from `init` has none), then put where the compiled program
         # takes it (`shardings`) whenever it is made or moved.
         abstract = jax.eval_shape(init_fn, params, rng, operands)
-        chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o: driver.serve_chunk(
-            graphdef, p, st, pad, adm, cin, ret, k, o, schedule=schedule),
+        chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o, tr: driver.serve_chunk(
+            graphdef, p, st, pad, adm, cin, ret, k, o, tr, schedule=schedule),
             donate_argnums=(1,))
         args = (params, abstract, jax.ShapeDtypeStruct((b,), jnp.int32),
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((b, T), jnp.int32),
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((), jnp.int32),
-                operands)
+                operands, self._traced_args(b) if self.defaults else None)
         fn = chunk.lower(*args).compile()
         shardings = fn.input_shardings[0][1]
         dt = time.perf_counter() - t0
@@ -267,6 +289,15 @@ class _Pool:
         self.movers[(a, b)] = lambda *args: place(fn(*args))
         return self.movers[(a, b)]
 
+    def _traced_args(self, b: int | None = None):
+        """The slots' traced option values as the chunk program's argument (None: the
+        schedule has none); with b, their shapes only."""
+        if not self.defaults:
+            return None
+        if b is not None:
+            return {n: jax.ShapeDtypeStruct((b,), jnp.float32) for n in self.defaults}
+        return {n: jnp.asarray(v) for n, v in self.traced.items()}
+
     # -- state ---------------------------------------------------------------------------
     def resize(self, b: int) -> None:
         """Holds state for b slots: the rows in flight move to the first slots; b = 0
@@ -278,6 +309,7 @@ class _Pool:
             raise RuntimeError(f"{len(keep)} rows in flight do not fit in {b} slots")
         if b == 0:
             self.state, self.rows, self.pad_len, self.size = None, [], self.pad_len[:0], 0
+            self.traced = {n: v[:0] for n, v in self.traced.items()}
             return
         init, _ = self.program(b)
         if self.state is None or not keep:
@@ -285,6 +317,7 @@ class _Pool:
             self.state = init(self.engine.params, jax.random.key(self.engine.seed),
                               self.operands)
             self.rows, self.pad_len = [None] * b, np.zeros(b, np.int32)
+            self.traced = {n: np.full(b, d, np.float32) for n, d in self.defaults.items()}
         else:
             src = np.array(keep + [0] * (b - len(keep)), np.int32)
             valid = np.arange(b) < len(keep)
@@ -292,6 +325,8 @@ class _Pool:
                                                   jnp.asarray(valid))
             self.rows = [self.rows[i] for i in keep] + [None] * (b - len(keep))
             self.pad_len = np.where(valid, self.pad_len[src], 0).astype(np.int32)
+            self.traced = {n: np.where(valid, v[src], self.defaults[n]).astype(np.float32)
+                           for n, v in self.traced.items()}
         self.size = b
 
     def run_chunk(self, admit_n: int) -> None:
@@ -313,6 +348,8 @@ class _Pool:
                     continue
                 canvas, pad, _ = build_canvas([req.prompt], self.G, cfg, self.P)
                 canvas_in[i], self.pad_len[i] = canvas[0], pad[0]
+                for n, v in req.traced.items():  # the row's own threshold(s)
+                    self.traced[n][i] = v
                 admit[i] = True
                 self.rows[i] = req
                 admit_n -= 1
@@ -321,7 +358,8 @@ class _Pool:
             return  # nothing to run
         self.state = fn(eng.params, self.state, jnp.asarray(self.pad_len),
                         jnp.asarray(admit), jnp.asarray(canvas_in), jnp.asarray(retire),
-                        jnp.asarray(eng.chunk, jnp.int32), self.operands)
+                        jnp.asarray(eng.chunk, jnp.int32), self.operands,
+                        self._traced_args())
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
@@ -400,8 +438,13 @@ class Engine:
     Args:
       model, tokenizer: a loaded model and its tokenizer (`asynclane_jax.load`).
       model_name: the name clients ask for.
-      sampler, options: the sampler and its options for every request (a request may
-        add options of the same sampler; each distinct setting is a pool of its own).
+      sampler, options: the sampler and its options for every request. A request may
+        send any value of the sampler's traced options (thresholds: per-row values in
+        the pools that exist); its other options must be those of `options` or of an
+        allowed configuration (else OptionNotAllowed, naming what is allowed).
+      allow_options: further structural configurations a request may pick (each a dict
+        of options over `options`; at most MAX_CONFIGS - 1): a request that sends the
+        options in which one differs runs in that configuration's pools.
       slots: rows per pool, at most; a pool runs at the smallest of 1, 2, 4, ... slots
         that holds its rows.
       gen_lengths: the generation buckets; a request runs at the smallest bucket that
@@ -434,7 +477,8 @@ class Engine:
                  prompt_lengths: Sequence[int] | None = None, seed: int = 0,
                  compile_cache: str | None = None, kv_budget: int | str | None = None,
                  max_pools: int = 32, precompile: str = "all",
-                 admission_grace: float = 0.25):
+                 admission_grace: float = 0.25,
+                 allow_options: Sequence[dict] | None = None):
         if compile_cache:
             from asynclane_jax import compile_cache as cc
 
@@ -451,6 +495,13 @@ class Engine:
         self.model, self.tokenizer, self.cfg = model, tokenizer, model.cfg
         self.model_name, self.sampler = model_name, sampler
         self.options = dict(options or {})
+        # The structural configurations requests may pick: the server's own first.
+        self.configs = [self.options] + [{**self.options, **dict(c)}
+                                         for c in (allow_options or ())]
+        if len(self.configs) > MAX_CONFIGS:
+            raise EngineError(f"allow_options: at most {MAX_CONFIGS - 1} configurations "
+                              "besides the server's own (each a pool of its own)")
+        self._structures: dict[int, list] = {}  # gen_length -> the configs' structures
         self.slots, self.chunk, self.queue_size, self.seed = slots, chunk, queue_size, seed
         self.slot_buckets = budget_lib.slot_buckets(int(slots))
         self.max_pools, self.precompile = int(max_pools), precompile
@@ -485,8 +536,8 @@ class Engine:
         self.compile_seconds = 0.0
         self.evicted = 0  # pools dropped (max_pools) and states released (the budget)
         for g in self.gen_lengths:  # a bad sampler or option fails here; so does a
-            key = self._key(None, g, self.prompt_lengths[-1])  # budget below one row
-            self._check_fits(key)
+            for structure in self._allowed(g):  # budget below one row
+                self._check_fits((structure, g, self.prompt_lengths[-1]))
 
     # -- public -------------------------------------------------------------------------
     def bucket(self, max_tokens: int) -> int:
@@ -538,7 +589,9 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= self.cfg.vocab_size:
             raise EngineError(f"token ids outside [0, {self.cfg.vocab_size})")
         n = next(n for n in self.prompt_lengths if n >= len(prompt))
-        key = self._key(options, self.bucket(int(max_tokens)), n)
+        g = self.bucket(int(max_tokens))
+        schedule = self._request_schedule(options, g)
+        key = (schedule.structure(), g, n)
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down" if self._running else
@@ -546,7 +599,7 @@ class Engine:
         self._check_fits(key)
         req = _Request(id=f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", engine=self,
                        prompt=prompt, max_tokens=int(max_tokens), pool_key=key,
-                       on_update=on_update)
+                       on_update=on_update, traced=schedule.traced_values())
         with self._lock:
             if not self._accepting:
                 raise EngineStopped("the server is shutting down" if self._running else
@@ -594,7 +647,7 @@ class Engine:
                     "kv_budget": self.kv_budget,
                     "pool_bytes": sum(p.held_bytes for p in pools),
                     "compile_s": [{"gen_length": p.G, "prompt_length": p.P,
-                                   "options": p.schedule.settings(),
+                                   "options": self._shown(p.schedule),
                                    "slots": sorted(p.programs), "held_slots": p.size,
                                    "seconds": round(p.compile_time, 2)}
                                   for p in pools]}
@@ -615,8 +668,8 @@ class Engine:
                 "chunks": self.chunks}
 
     # -- internals ----------------------------------------------------------------------
-    def _schedule(self, options, gen_length: int):
-        merged = {**self.options, **(options or {})}
+    def _schedule(self, options, gen_length: int, *, merge: bool = True):
+        merged = {**self.options, **(options or {})} if merge else dict(options or {})
         try:
             return make_schedule(self.sampler, gen_length=gen_length,
                                  **merged).bind(self.tokenizer, self.cfg)
@@ -626,7 +679,54 @@ class Engine:
             raise EngineError(f"{self.sampler}: {type(e).__name__}: {e}") from None
 
     def _key(self, options, gen_length: int, prompt_length: int) -> tuple:
-        return (self._schedule(options, gen_length), gen_length, prompt_length)
+        """A pool's key: the schedule's structure (traced options left out), the
+        generation bucket, the prompt bucket."""
+        return (self._request_schedule(options, gen_length).structure(), gen_length,
+                prompt_length)
+
+    def _allowed(self, gen_length: int) -> list:
+        """The structures of the allowed configurations at a generation bucket (the
+        server's own first)."""
+        if gen_length not in self._structures:
+            self._structures[gen_length] = [
+                self._schedule(c, gen_length, merge=False).structure() for c in self.configs]
+        return self._structures[gen_length]
+
+    def _request_schedule(self, options, gen_length: int):
+        """The schedule a request's options give (over the server's), validated; its
+        traced options (thresholds) take any valid value, its structure must be one
+        of the allowed configurations'.
+
+        Raises:
+          EngineError: an unknown or invalid option; OptionNotAllowed: a structural
+            option that no allowed configuration has.
+        """
+        schedule = self._schedule(options, gen_length)
+        allowed = self._allowed(gen_length)
+        if schedule.structure() in allowed:
+            return schedule
+        traced = set(schedule.traced_options)
+        asked = {k: v for k, v in (options or {}).items() if k not in traced}
+        shown = sorted(set(asked) | {k for c in self.configs[1:] for k in c
+                                     if k not in traced})
+        choices = " | ".join(", ".join(f"{k}={getattr(a, k, None)!r}" for k in shown)
+                             for a in allowed)
+        sent = ", ".join(f"{k}={v!r}" for k, v in sorted(asked.items()))
+        per_row = ", ".join(sorted(traced)) or "none"
+        raise OptionNotAllowed(
+            f"{self.sampler}: {sent} would need a compiled program of its own; this "
+            f"server allows {choices} (set when it starts); options a request may set "
+            f"to any valid value: {per_row}")
+
+    @staticmethod
+    def _shown(schedule) -> dict:
+        """A pool's settings for /health: its structure's, with the traced options
+        (each row's own) named instead of their placeholder values."""
+        traced = set(schedule.traced_options)
+        out = {k: v for k, v in schedule.settings().items() if k not in traced}
+        if traced:
+            out["per_request"] = sorted(traced)
+        return out
 
     def _layout(self, key) -> tuple:
         """(PoolShape, batch axes) of a pool key, from shapes (cached)."""

@@ -24,7 +24,11 @@ refused with a 400 that names it; none is silently ignored:
                      names of the sampler's options, values numbers, strings, booleans or
                      short lists of them, checked by the engine; never `sampler` or
                      `gen_length` (the server's), nor options that name files (`routers`:
-                     the operator's, set at start)
+                     the operator's, set at start). Traced options (thresholds) take any
+                     valid value per request, in the programs that exist; a structural
+                     one (block length, cache, ...) must be the operator's, or one of
+                     the configurations the operator allowed (`--allow-options`), else
+                     a 400 (code option_not_allowed) naming what is allowed
   user               accepted (it changes nothing)
   n, best_of         only 1;  logprobs / top_logprobs, echo, suffix, logit_bias,
   penalties          presence / frequency penalties, tools / functions, response_format:

@@ -230,32 +230,31 @@ def test_detokenizing_runs_on_the_emitter_thread(loaded):
 
 @pytest.mark.slow
 def test_idle_pools_beyond_max_pools_are_dropped(loaded):
-    """Each distinct sampler_options setting is a pool of its own; beyond max_pools the
-    idle ones are dropped (least recently used first) with their programs, and a setting
-    used again is built again, with the same tokens."""
+    """Each allowed structural configuration is a pool of its own (a threshold is not:
+    see test_serve_options.py); beyond max_pools the idle ones are dropped (least
+    recently used first) with their programs, and a configuration used again is built
+    again, with the same tokens."""
     model, tok, _ = loaded
     prompt = ev.prompts_for(tasks.heldout(1))[0]
     eng = Engine(model, tok, model_name=MODEL, slots=2, gen_lengths=(32,), max_prompt=32,
-                 chunk=8, precompile="none", max_pools=1)
+                 chunk=8, precompile="none", max_pools=1, allow_options=[{"block_length": 16}])
     eng.start()
     try:
         got = {}
-        for threshold in (None, 0.7, None):
+        for block in (None, 16, None):
             d = Done()
-            opts = None if threshold is None else {"threshold": threshold}
+            opts = None if block is None else {"block_length": block}
             eng.submit(prompt, max_tokens=32, options=opts, on_update=d)
             assert d.event.wait(120)
-            got.setdefault(threshold, []).append(d.tokens)
+            got.setdefault(block, []).append(d.tokens)
             assert len(eng.pools) == 1
             (pool,) = eng.pools.values()
-            assert pool.schedule.settings().get("threshold") == (
-                threshold if threshold is not None else eng._schedule(None, 32).settings()
-                .get("threshold"))
+            assert pool.schedule.block_length == (block or 32)
         assert eng.gauges()["evicted"] >= 2
     finally:
         eng.shutdown()
     assert got[None][0] == got[None][1]
-    want = generate(model, [prompt], gen_length=32, tokenizer=tok, threshold=0.7)
+    want = generate(model, [prompt], gen_length=32, tokenizer=tok, block_length=16)
     row = want.tokens[0].tolist()
     stop = set(model.cfg.stop_token_ids)
-    assert got[0.7][0] == row[:next((j for j, t in enumerate(row) if t in stop), len(row))]
+    assert got[16][0] == row[:next((j for j, t in enumerate(row) if t in stop), len(row))]

@@ -655,6 +655,54 @@ def test_real_metrics_match_the_engine(real, oai, loaded):
 
 
 @pytest.mark.slow
+def test_real_thresholds_need_no_pool_and_structural_options_get_400(real, oai, loaded):
+    """Clients at many thresholds at once run in the pool that exists, each row at its
+    own (no new pool, no compile: /metrics' counter stays); an answer is `generate`'s at
+    its threshold; a structural option is a 400 that names the allowed value."""
+    import openai
+
+    pytest.importorskip("prometheus_client")
+    engine, srv, _ = real
+    model, tok, _ = loaded
+
+    def compiles():
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        return metric(metric_samples(text), "asynclane_compiles_total")
+
+    pools, before = set(engine.pools), compiles()
+    got = {}
+
+    def go(t):
+        got[t] = oai.chat.completions.create(
+            model=MODEL, max_tokens=64, messages=[{"role": "user", "content": REF_PROMPT}],
+            extra_body={"sampler_options": {"threshold": t}}).choices[0].message.content
+
+    thresholds = (0.5, 0.7, 0.81, 0.811, 0.99)
+    threads = [threading.Thread(target=go, args=(t,)) for t in thresholds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(got) == set(thresholds)
+    assert set(engine.pools) == pools and compiles() == before == engine.compiles
+    ids = chat_ids(tok, REF_PROMPT)
+    for t in (0.5, 0.99):  # one program: the fixture's reference at this bucket
+        res = asynclane_jax.generate(model, [ids], sampler="asynclane", gen_length=64,
+                                     tokenizer=tok, threshold=t)
+        assert got[t] == reference(loaded, [int(x) for x in res.tokens[0]], 64)[0]
+    assert got[0.5] != got[0.99]  # on this prompt the two thresholds' texts differ
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="x = 1 print x", max_tokens=8,
+                               extra_body={"sampler_options": {"block_length": 16}})
+    e = err.value
+    assert e.status_code == 400 and e.code == "option_not_allowed"
+    assert e.param == "sampler_options"
+    assert "block_length=16" in e.message and "block_length=32" in e.message
+    assert "threshold" in e.message
+    assert set(engine.pools) == pools and compiles() == before
+
+
+@pytest.mark.slow
 def test_sigterm_drains_the_stream_and_exits_0(serve_process):
     proc, url, log_path = serve_process
 
