@@ -796,6 +796,7 @@ def test_serve_cli_buckets(argv, buckets, monkeypatch):
     (["--slots", "0"], "--slots 0"),
     (["--default-max-tokens", "600"], "more than the largest bucket"),
     (["--max-tokens", "300", "--default-max-tokens", "301"], "more than the largest bucket"),
+    (["--allow-options", "block_length"], "--allow-options 'block_length': comma-separated"),
 ])
 def test_serve_cli_checks(argv, needle, capsys):
     from asynclane_jax.cli import main
