@@ -342,7 +342,8 @@ def fork_phase(ctx: Context, new, lanes: LaneState, frontier, serve, *, block_le
         forks, steps are read).
       frontier: [b] `text_frontier` after the cascade.
       serve: [b] bool, the rows the call served.
-      block_length, refine_window, stable_fraction: the schedule's settings.
+      block_length, refine_window, stable_fraction: the schedule's settings
+        (stable_fraction a number, or [b, 1] per row).
       delimiter_ids: the token ids that fork (empty: no forking).
       fresh: [b, G] bool, the columns whose cached K/V were computed from their
         current token after this call (`fresh_columns`).
@@ -550,7 +551,7 @@ class AsyncLaneSchedule(Schedule):
     footing_options: ClassVar[tuple[str, ...]] = ("cascade",)
     # Per-row arguments of the program (schedule.py): rows at different thresholds
     # decode in one program.
-    traced_options: ClassVar[tuple[str, ...]] = ("threshold",)
+    traced_options: ClassVar[tuple[str, ...]] = ("threshold", "stable_fraction")
     block_length: int = 32
     threshold: float = 0.95
     max_lanes: int | None = None
@@ -732,7 +733,8 @@ class AsyncLaneSchedule(Schedule):
         fresh = fresh_columns(ctx, gen, new, lanes, out)
         lanes, fork = fork_phase(
             ctx, new, lanes, frontier, out.serve, block_length=B,
-            refine_window=self.refine_window, stable_fraction=self.stable_fraction,
+            refine_window=self.refine_window,
+            stable_fraction=self.row_option(ctx, "stable_fraction")[:, None],
             delimiter_ids=self.delimiter_ids if self.forking else (),
             fresh=fresh, query_slots=self.extra_queries)
         lanes, advance, gen_done = advance_phase(ctx, new, lanes, frontier, out.serve, fork,

@@ -84,8 +84,8 @@ CASES = [
      dict(threshold=0.95)),
     ("localleap", dict(block_length=8, cache="prefix"),
      dict(threshold=0.9, relaxed_threshold=0.5), dict(threshold=0.97, relaxed_threshold=0.9)),
-    ("asynclane", dict(block_length=8, delimiters="none"), dict(threshold=0.6),
-     dict(threshold=0.97)),
+    ("asynclane", dict(block_length=8, delimiters="even"),  # forks at every even id
+     dict(threshold=0.6, stable_fraction=0.2), dict(threshold=0.97, stable_fraction=0.9)),
     ("d2f", dict(block_length=8, max_active_blocks=2),
      dict(skip_threshold=0.5, block_add_threshold=0.1, decoded_token_threshold=0.5),
      dict(skip_threshold=0.95, block_add_threshold=0.6, decoded_token_threshold=0.95)),
@@ -99,11 +99,16 @@ def test_rows_at_different_values_decode_as_alone(sampler, options, one, two):
     model = _d2f_model() if sampler == "d2f" else make_model(
         "llada", lm_scale=LM_SCALE_THRESHOLD["llada"])
     prompts = make_prompts(model.cfg.vocab_size)
+    if options.get("delimiters") == "even":
+        even = range(0, model.cfg.vocab_size - 2, 2)
+        options = {**options, "delimiters": ",".join(map(str, even))}
     alone = [generate(model, prompts, sampler=sampler, gen_length=GEN, bucket=1,
                       pad_batch=False, **options, **kw) for kw in (one, two)]
     assert not alone[1].stats.compiled
     assert (alone[0].stats.nfe != alone[1].stats.nfe
             or not np.array_equal(alone[0].tokens, alone[1].tokens))
+    if sampler == "asynclane":  # the forks, where stable_fraction is read
+        assert alone[0].stats.forks.sum() > 0 and alone[1].stats.forks.sum() > 0
 
     # The program `generate` compiled, called with each row at its own setting.
     schedule = registry.build(sampler, gen_length=GEN, **options, **one).bind(None, model.cfg)
