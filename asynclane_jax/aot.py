@@ -379,9 +379,16 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
     params, canvas, pad_len, live, rng, operands = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, where)
 
+    # The traced options (thresholds) as per-row arguments, as `generate` and the server
+    # compile them: one program for every value.
+    traced = driver.traced_arrays(schedule, rows)
+    if traced is not None:
+        rep = None if plan is None else plan.replicated()
+        traced = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep)
+                  for n, v in traced.items()}
     t0 = time.perf_counter()
     lowered = driver.lower_decode(graphdef, params, canvas, pad_len, live, rng, operands,
-                                  schedule=schedule, plan=plan)
+                                  traced, schedule=schedule.structure(), plan=plan)
     t1 = time.perf_counter()
     compiled, failure = None, ""
     try:
