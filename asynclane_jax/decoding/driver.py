@@ -21,8 +21,9 @@ changes. Rows that only pad a batch up to its bucket start finished.
 
 The same iteration serves continuous batching (`serve_chunk`): a carried state whose
 rows are slots, each chunk retiring and admitting rows and running up to K iterations in
-one compiled program. Shapes and dtypes of what a schedule returns are checked while
-tracing (`check_plan`, `check_update`), so a wrong one fails with the schedule's name.
+one compiled program (ending early, when asked, once a row's answer is complete). Shapes
+and dtypes of what a schedule returns are checked while tracing (`check_plan`,
+`check_update`), so a wrong one fails with the schedule's name.
 Compiled programs are kept in a bounded cache (`PROGRAMS`, `compiled_programs`).
 """
 
@@ -484,8 +485,23 @@ def decode_for_caller(graphdef, params, canvas, pad_len, live, rng, operands=Non
     return state.replace(cache=None)  # large, and not needed by the caller
 
 
+def answered(ctx: Context, state: DecodeState, limit=None):
+    """[b] bool: rows whose answer a server can send in full, as the serving engine
+    reads the canvas: the row is finished, or its contiguous committed prefix (the
+    generated columns before the first mask) holds a stop token before `limit`, or
+    reaches `limit` ([b] int32 tokens a row's request wants; None: G)."""
+    gen = state.canvas[:, ctx.prompt_len:]
+    G = gen.shape[1]
+    cols = jnp.arange(G, dtype=jnp.int32)[None, :]
+    ready = jnp.min(jnp.where(gen == ctx.mask_id, cols, G), axis=1)  # first mask, or G
+    stop = jnp.min(jnp.where(ctx.is_stop(gen), cols, G), axis=1)  # first stop, or G
+    limit = jnp.full_like(ready, G) if limit is None else jnp.minimum(limit, G)
+    return state.finished | (stop < jnp.minimum(ready, limit)) | (ready >= limit)
+
+
 def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in, retire,
-                chunk, operands=None, traced=None, *, schedule: Schedule) -> DecodeState:
+                chunk, operands=None, traced=None, until_answer=None, limit=None, *,
+                schedule: Schedule) -> DecodeState:
     """One chunk of continuous batching over the rows of a carried DecodeState: every
     chunk size, admission and retirement runs in this one compiled program.
 
@@ -494,7 +510,11 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
          counters and the schedule's state are those of a fresh decode, their cache row
          is zeroed, and the schedule's first call (if it has one) is made for them.
       3. Up to `chunk` iterations of the decode loop (fewer once every row is
-         finished); a row that reaches the schedule's step cap is finished.
+         finished); a row that reaches the schedule's step cap is finished. With
+         `until_answer`, the chunk also ends after the iteration in which a row's answer
+         became complete (`answered`: the row finished, or its committed prefix reached
+         a stop token or its `limit`), so that the caller sends it and fills the slot
+         at once instead of after the rest of the chunk.
 
     A row decodes as it would in `generate` (rows never see each other), whatever the
     other rows do and whenever it was admitted.
@@ -510,6 +530,10 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
       traced: {name: [b] float32} each slot's values of the schedule's traced options
         (a server's requests each at their own threshold, in one program); a slot's
         value must stay the same while its row decodes.
+      until_answer: [] bool (traced: one program either way), whether a row's answer
+        completing ends the chunk; None: False (the chunk runs its `chunk` iterations).
+      limit: [b] int32 tokens each row's request wants (its max_tokens), what
+        `answered` reads; None: G for every row.
       schedule: the sampler (static).
     Returns:
       The new DecodeState.
@@ -537,11 +561,16 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
                     row_shape_calls=pick(fresh.row_shape_calls, st.row_shape_calls),
                     row_shape_keys=pick(fresh.row_shape_keys, st.row_shape_keys),
                     sched=jax.tree.map(pick, fresh.sched, st.sched), cache=cache)
+    # Rows whose answer is complete before this chunk's calls (free, retired, or
+    # answered and not yet retired by the caller) never end it.
+    before = answered(loop.ctx, st, limit)
+    until = jnp.zeros((), bool) if until_answer is None else jnp.asarray(until_answer, bool)
     st = loop.first_call(st, admit)
 
     def cond(carry):
         st, i = carry
-        return jnp.any(~st.finished) & (i < chunk)
+        new = jnp.any(answered(loop.ctx, st, limit) & ~before)
+        return jnp.any(~st.finished) & (i < chunk) & ~(until & new)
 
     def body(carry):
         st, i = carry

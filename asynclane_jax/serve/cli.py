@@ -87,7 +87,8 @@ def register(subparsers) -> None:
                         "bucket): a prompt is left-padded to the smallest that holds it "
                         "(default: --max-prompt alone)")
     p.add_argument("--chunk", type=int, default=8, metavar="K",
-                   help="loop iterations between admissions and streamed updates "
+                   help="loop iterations between admissions and streamed updates, at "
+                        "most: a chunk ends sooner when a request's answer is complete "
                         "(default 8)")
     p.add_argument("--queue", type=int, default=64, metavar="N",
                    help="requests waiting for a slot before new ones get 429 (default 64)")

@@ -4,11 +4,14 @@ The engine keeps, per (sampler structure, generation bucket, prompt bucket), a p
 rows are carried on the device between calls of one compiled program,
 `driver.serve_chunk`: it retires cancelled rows, admits waiting requests into free rows
 (their first model call inside the same program) and runs up to `chunk` loop
-iterations. Between chunks the engine's thread reads the canvas back and frees the rows
-that are done; a second host thread (the emitter) detokenizes and hands each request the
-text its contiguous committed prefix gained (a diffusion LM commits out of order: a
-token is sent only when every token before it is committed, and never again), while the
-engine's thread runs the next chunk.
+iterations, ending early at the iteration in which a row's answer became complete (the
+row finished, or its committed prefix reached a stop token or the request's
+max_tokens), so a finished request is sent, and its slot refilled, at once rather than
+after the rest of the chunk. Between chunks the engine's thread reads the canvas back
+and frees the rows that are done; a second host thread (the emitter) detokenizes and
+hands each request the text its contiguous committed prefix gained (a diffusion LM
+commits out of order: a token is sent only when every token before it is committed, and
+never again), while the engine's thread runs the next chunk.
 
 Per-request options. A sampler's traced options (`Schedule.traced_options`: thresholds)
 change no shape of its program: each row's values are per-row arguments of the pool's
@@ -188,6 +191,7 @@ class _Pool:
         self.rows: list[_Request | None] = []
         self.waiting: collections.deque[_Request] = collections.deque()
         self.pad_len = np.zeros(0, np.int32)
+        self.limit = np.zeros(0, np.int32)  # each slot's max_tokens (a free slot: G)
         # Each slot's traced option values ({name: [size] float32}; a free slot holds
         # the structure's own value).
         self.defaults = schedule.traced_values()
@@ -239,13 +243,14 @@ class _Pool:
         # a fresh state from `init` has none), then put where the compiled program
         # takes it (`shardings`) whenever it is made or moved.
         abstract = jax.eval_shape(init_fn, params, rng, operands)
-        chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o, tr: driver.serve_chunk(
-            graphdef, p, st, pad, adm, cin, ret, k, o, tr, schedule=schedule),
+        chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o, tr, lim: driver.serve_chunk(
+            graphdef, p, st, pad, adm, cin, ret, k, o, tr, True, lim, schedule=schedule),
             donate_argnums=(1,))
         args = (params, abstract, jax.ShapeDtypeStruct((b,), jnp.int32),
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((b, T), jnp.int32),
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((), jnp.int32),
-                operands, self._traced_args(b) if self.defaults else None)
+                operands, self._traced_args(b) if self.defaults else None,
+                jax.ShapeDtypeStruct((b,), jnp.int32))
         fn = chunk.lower(*args).compile()
         shardings = fn.input_shardings[0][1]
         dt = time.perf_counter() - t0
@@ -309,6 +314,7 @@ class _Pool:
             raise RuntimeError(f"{len(keep)} rows in flight do not fit in {b} slots")
         if b == 0:
             self.state, self.rows, self.pad_len, self.size = None, [], self.pad_len[:0], 0
+            self.limit = self.limit[:0]
             self.traced = {n: v[:0] for n, v in self.traced.items()}
             return
         init, _ = self.program(b)
@@ -317,6 +323,7 @@ class _Pool:
             self.state = init(self.engine.params, jax.random.key(self.engine.seed),
                               self.operands)
             self.rows, self.pad_len = [None] * b, np.zeros(b, np.int32)
+            self.limit = np.full(b, self.G, np.int32)
             self.traced = {n: np.full(b, d, np.float32) for n, d in self.defaults.items()}
         else:
             src = np.array(keep + [0] * (b - len(keep)), np.int32)
@@ -325,6 +332,7 @@ class _Pool:
                                                   jnp.asarray(valid))
             self.rows = [self.rows[i] for i in keep] + [None] * (b - len(keep))
             self.pad_len = np.where(valid, self.pad_len[src], 0).astype(np.int32)
+            self.limit = np.where(valid, self.limit[src], self.G).astype(np.int32)
             self.traced = {n: np.where(valid, v[src], self.defaults[n]).astype(np.float32)
                            for n, v in self.traced.items()}
         self.size = b
@@ -348,6 +356,7 @@ class _Pool:
                     continue
                 canvas, pad, _ = build_canvas([req.prompt], self.G, cfg, self.P)
                 canvas_in[i], self.pad_len[i] = canvas[0], pad[0]
+                self.limit[i] = req.max_tokens
                 for n, v in req.traced.items():  # the row's own threshold(s)
                     self.traced[n][i] = v
                 admit[i] = True
@@ -359,7 +368,7 @@ class _Pool:
         self.state = fn(eng.params, self.state, jnp.asarray(self.pad_len),
                         jnp.asarray(admit), jnp.asarray(canvas_in), jnp.asarray(retire),
                         jnp.asarray(eng.chunk, jnp.int32), self.operands,
-                        self._traced_args())
+                        self._traced_args(), jnp.asarray(self.limit))
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
@@ -449,7 +458,8 @@ class Engine:
         that holds its rows.
       gen_lengths: the generation buckets; a request runs at the smallest bucket that
         holds its max_tokens.
-      chunk: loop iterations per chunk (between two reads of the canvas).
+      chunk: loop iterations per chunk, at most (between two reads of the canvas, for
+        the streamed updates); a chunk ends sooner once a row's answer is complete.
       queue_size: requests waiting for a row, at most (then QueueFull).
       max_prompt: the longest prompt (tokens); default the model's maximum sequence
         length less the largest bucket.
