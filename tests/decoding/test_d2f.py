@@ -172,14 +172,14 @@ def test_bidirectional_model_runs_with_full_forwards_and_says_so_once():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, least", [("tiny-llada-d2f", 5), ("tiny-dream-d2f", 5),
-                                         ("tiny-llada-v4b-d2f", 5), ("tiny-dream-v4-d2f", 4)])
+                                         ("tiny-llada-v4b-d2f", 7), ("tiny-dream-v4-d2f", 8)])
 def test_shipped_students_end_to_end(name, least):
     """The shipped D2F students decode held-out problems of their task set on the cached
     path, at the length it needs, and answer at least `least` of the first 8: on 200
     held-out problems tiny-llada-d2f and tiny-dream-d2f score above 80% at 256. The v4
-    students (answers up to 377 tokens; 70.5% and 72.0% at 512) answer every problem of
-    the short families, half of these 8, and lose most long answers
-    (experiments/results/baselines/d2f.md): tiny-dream-v4-d2f none of these 4."""
+    students (answers up to 377 tokens), trained on decoding's own states, score 99.0%
+    and 100% at 512 on 200 (experiments/results/baselines/d2f.md): tiny-llada-v4b-d2f
+    misses one math answer of these 8."""
     import asynclane_jax as aj
     from asynclane_jax.testbed import evaluate as ev
     from asynclane_jax.testbed import tasks
@@ -196,8 +196,9 @@ def test_shipped_students_end_to_end(name, least):
     assert not np.any(res.tokens == model.cfg.mask_token_id)
     right = [bool(tasks.check(p, row)) for p, row in zip(problems, res.tokens)]
     assert sum(right) >= least
-    if task_set != "v1":  # every short-family problem right
-        assert all(r for p, r in zip(problems, right) if p.family in ("math", "code"))
+    if task_set != "v1":  # the long families (the answers the earlier students lost)
+        assert all(r for p, r in zip(problems, right)
+                   if p.family in ("walk-down", "table-down")), right
 
 
 def test_a_full_window_that_finishes_at_once_goes_on_to_the_next_block():
