@@ -1,8 +1,9 @@
 """The serve tests' stand-ins: an engine without a model (`FakeEngine`, the Engine's
 interface) and a tokenizer of one token per character (`CharTokenizer`, for a server
 started in a subprocess without loading a model), the request bodies and the loopback
-test client the tests share (`body`, `chat_body`, `local_client`), and /metrics read
-back (`metric_samples`, `metric`)."""
+test client the tests share (`body`, `chat_body`, `local_client`), /metrics read
+back (`metric_samples`, `metric`), and what a `serve` command line hands the engine
+(`engine_arguments`)."""
 
 from __future__ import annotations
 
@@ -268,3 +269,28 @@ def metric_samples(text: str) -> dict:
 def metric(samples: dict, name: str, **labels) -> float:
     """A sample's value (0 when the exposition has none, as for a series never counted)."""
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def engine_arguments(monkeypatch, argv) -> dict:
+    """The keyword arguments `asynclane-jax serve ARGV` gives the Engine, with the
+    model load and the Engine stood in for (nothing is loaded or compiled)."""
+    import pytest
+
+    import asynclane_jax
+    from asynclane_jax.cli import main
+    from asynclane_jax.serve import engine
+
+    class Reached(Exception):
+        pass
+
+    seen = {}
+
+    def fake_engine(model, tokenizer, **kwargs):
+        seen.update(kwargs)
+        raise Reached
+
+    monkeypatch.setattr(asynclane_jax, "load", lambda name, **kw: (None, object(), None))
+    monkeypatch.setattr(engine, "Engine", fake_engine)
+    with pytest.raises(Reached):
+        main(["serve", *argv])
+    return seen

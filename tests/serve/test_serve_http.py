@@ -40,6 +40,7 @@ from serve_fakes import (  # noqa: E402
     ServerThread,
     body,
     chat_body,
+    engine_arguments,
     metric,
     metric_samples,
     process_serving,
@@ -770,24 +771,7 @@ def test_the_command_line_does_not_import_the_server_packages():
 def test_serve_cli_buckets(argv, buckets, monkeypatch):
     """A command line that passes the checks reaches the engine with these buckets (the
     engine is stood in for, so that nothing is loaded or compiled)."""
-    import asynclane_jax
-    from asynclane_jax.cli import main
-    from asynclane_jax.serve import engine
-
-    class Reached(Exception):
-        pass
-
-    seen = {}
-
-    def fake_engine(model, tokenizer, **kwargs):
-        seen.update(kwargs)
-        raise Reached
-
-    monkeypatch.setattr(asynclane_jax, "load", lambda name, **kw: (None, object(), None))
-    monkeypatch.setattr(engine, "Engine", fake_engine)
-    with pytest.raises(Reached):
-        main(["serve", *argv])
-    assert seen["gen_lengths"] == buckets
+    assert engine_arguments(monkeypatch, argv)["gen_lengths"] == buckets
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -7,7 +7,7 @@ takes it. The same through HTTP with the openai client: test_serve_http.py."""
 from __future__ import annotations
 
 import pytest
-from serve_fakes import MODEL
+from serve_fakes import MODEL, engine_arguments
 
 from asynclane_jax.errors import UsageError
 from asynclane_jax.serve import cli
@@ -75,24 +75,9 @@ def test_allowed_configurations_are_bounded_and_read_as_the_samplers_types(loade
 
 def test_the_command_line_hands_the_engine_its_configurations(monkeypatch):
     """`serve --allow-options` reaches the engine (stood in for: nothing is loaded)."""
-    import asynclane_jax
-    from asynclane_jax.cli import main
-    from asynclane_jax.serve import engine
-
-    seen = {}
-
-    class Reached(Exception):
-        pass
-
-    def fake_engine(model, tokenizer, **kwargs):
-        seen.update(kwargs)
-        raise Reached
-
-    monkeypatch.setattr(asynclane_jax, "load", lambda name, **kw: (None, object(), None))
-    monkeypatch.setattr(engine, "Engine", fake_engine)
-    with pytest.raises(Reached):
-        main(["serve", "--sampler", "fast-dllm", "--cache", "dual", "--allow-options",
-              "cache=prefix", "--allow-options", "cache=none,block_length=16"])
+    seen = engine_arguments(monkeypatch, [
+        "--sampler", "fast-dllm", "--cache", "dual", "--allow-options", "cache=prefix",
+        "--allow-options", "cache=none,block_length=16"])
     assert seen["options"] == {"cache": "dual"}
     assert seen["allow_options"] == [{"cache": "prefix"},
                                      {"cache": "none", "block_length": 16}]
