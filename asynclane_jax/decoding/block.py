@@ -150,9 +150,11 @@ class BlockSchedule(Schedule):
         return 2 * self.gen_length + self.num_blocks + 2 + extra
 
     # -- the sampler's part ---------------------------------------------------------
-    def init_policy(self, batch: int) -> Any:
-        del batch
-        return ()
+    def init_policy(self, ctx: Context) -> Any:
+        """The sampler's state, `select`'s pstate: by default each row's values of the
+        sampler's traced options, {name: [b] float32} (schedule.py: `row_option`), which
+        `select` reads as `pstate[name][:, None]`."""
+        return {n: self.row_option(ctx, n) for n in self.traced_options}
 
     def select(self, logits, masked, step_in_block, key, pstate):
         """Chooses what to commit in each row's current block.
@@ -176,7 +178,7 @@ class BlockSchedule(Schedule):
                                f"at most {ROW_REFRESH_MAX_ROWS} rows at once, not {b}")
         return BlockState(block=jnp.zeros((b,), jnp.int32),
                           step_in_block=jnp.zeros((b,), jnp.int32),
-                          policy=self.init_policy(b))
+                          policy=self.init_policy(ctx))
 
     def _columns(self, ctx: Context, block):
         """[b, B] canvas columns of each row's current block (the last for finished rows)."""

@@ -51,11 +51,6 @@ class FastDllmSchedule(BlockSchedule):
         if self.factor is not None and not self.factor > 0:
             raise SamplerError(f"fast-dllm: factor={self.factor} must be positive")
 
-    def init(self, ctx):
-        # The sampler's state: each row's traced options ([b] float32), read by select.
-        state = super().init(ctx)
-        return state.replace(policy={n: self.row_option(ctx, n) for n in self.traced_options})
-
     def select(self, logits, masked, step_in_block, key, pstate):
         x0, conf = greedy_confidence(logits)
         conf = jnp.where(masked, conf, ops.NEG_INF)

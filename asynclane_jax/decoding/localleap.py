@@ -51,11 +51,6 @@ class LocalLeapSchedule(BlockSchedule):
         if self.radius < 0:
             raise SamplerError(f"localleap: radius={self.radius} must be >= 0")
 
-    def init(self, ctx):
-        # The sampler's state: each row's traced options ([b] float32), read by select.
-        state = super().init(ctx)
-        return state.replace(policy={n: self.row_option(ctx, n) for n in self.traced_options})
-
     def select(self, logits, masked, step_in_block, key, pstate):
         x0, conf = greedy_confidence(logits)
         conf = jnp.where(masked, conf, ops.NEG_INF)
