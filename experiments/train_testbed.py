@@ -5,6 +5,7 @@
   python experiments/train_testbed.py --model tiny-llada --task-set v2 --minutes 85
   python experiments/train_testbed.py --model tiny-llada --task-set v2 --minutes 75 \
       --init-from tiny-llada
+  python experiments/train_testbed.py --objective causal --task-set v4 --minutes 85
 
 Checkpoints (resumable: rerun the same command) go under runs/<name>/; the loss curve
 and the JSON log go to experiments/results/testbed/testbed_<name>.{png,json}; the final model is
@@ -32,6 +33,9 @@ def main(argv=None):
                          "math, code and the long walk and table families (name <model>-v3); "
                          "v4: v3 with the labels of walk and table counting down to (1) "
                          "(name <model>-v4)")
+    ap.add_argument("--objective", choices=["diffusion", "causal"], default="diffusion",
+                    help="causal: the autoregressive baseline tiny-ar-v4 (task set v4 only; "
+                         "next-token loss, causal attention, monitored with the ar sampler)")
     ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead")
     ap.add_argument("--lr", type=float, default=None)
@@ -90,6 +94,11 @@ def main(argv=None):
 
     family = "llada" if args.model == "tiny-llada" else "dream"
     long_configs = {"v2": train.v2_config, "v3": train.v3_config, "v4": train.v4_config}
+    if args.objective == "causal":
+        if args.task_set != "v4":
+            ap.error(f"--objective causal: the autoregressive baseline is trained on the "
+                     f"task set v4 (--task-set v4), not {args.task_set}")
+        long_configs["v4"] = train.ar_v4_config
     if args.task_set in long_configs:
         config = long_configs[args.task_set]
 
