@@ -97,7 +97,32 @@ def build_parser() -> argparse.ArgumentParser:
     for name in compile_cache.COMMANDS:
         if name in sub.choices:
             compile_cache.add_flag(sub.choices[name])
+            _add_compact_flag(sub.choices[name])
     return parser
+
+
+def _add_compact_flag(parser) -> None:
+    """`--compact-full` / `--no-compact-full` on every decoding command (once: a command
+    that declares it itself keeps its own)."""
+    try:
+        parser.add_argument(
+            "--compact-full", action=argparse.BooleanOptionalAction, default=None,
+            help="a full forward that serves at most half the batch computes only the rows "
+                 "it serves (faster; on by default for the samplers that allow it); "
+                 "--no-compact-full trades that speed for the memory of its temporary "
+                 "cache (up to half the batch's K/V)")
+    except argparse.ArgumentError:
+        pass
+
+
+def apply_compact_flag(args) -> None:
+    """Sets the driver's compaction switch from `--compact-full` / `--no-compact-full`;
+    unchanged when the command line names neither."""
+    on = getattr(args, "compact_full", None)
+    if on is not None:
+        from asynclane_jax.decoding import driver
+
+        driver.COMPACT_FULL["on"] = bool(on)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"asynclane-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
+    apply_compact_flag(args)
     return run_command(args)
 
 

@@ -52,8 +52,8 @@ TRACE_COUNT = {"decode": 0}
 
 # Whether a full forward that serves at most half the batch computes only the rows it
 # serves, for schedules that allow it (`ModelCalls.compact_buckets`). Read when a decode
-# is traced, and part of `compiled_decode`'s key; a test or a measurement turns it off
-# to compare.
+# is traced, and part of `compiled_decode`'s key; the decoding commands' `--no-compact-full`
+# turns it off (for the memory), as a test or a measurement does to compare.
 COMPACT_FULL = {"on": True}
 
 

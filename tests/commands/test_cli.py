@@ -1,5 +1,6 @@
 """The generate / eval / info commands on a small saved model with a real tokenizer."""
 
+import argparse
 import json
 
 import pytest
@@ -151,3 +152,24 @@ def test_every_sampler_option_is_a_flag(capsys):
             assert "--" + name.replace("_", "-") in help_text, name
             assert docs.get(name), f"{cls.name}.{name} has no docstring entry"
             assert " ".join(docs[name].split()[:4]) in help_text, name
+
+
+def test_compact_full_flag_reaches_the_driver(monkeypatch):
+    """Every decoding command takes `--no-compact-full`, and `main` sets the driver's
+    switch from it before the command runs (unchanged when neither flag is given)."""
+    from asynclane_jax import cli, compile_cache
+    from asynclane_jax.decoding import driver
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in compile_cache.COMMANDS:
+        if name in sub.choices:
+            flags = {s for a in sub.choices[name]._actions for s in a.option_strings}
+            assert {"--compact-full", "--no-compact-full"} <= flags, name
+    seen = []
+    monkeypatch.setattr(cli, "run_command", lambda args: seen.append(driver.COMPACT_FULL["on"]))
+    monkeypatch.setitem(driver.COMPACT_FULL, "on", True)
+    cli.main(["generate", "p", "--model", "x", "--no-compact-full"])
+    cli.main(["generate", "p", "--model", "x"])
+    cli.main(["generate", "p", "--model", "x", "--compact-full"])
+    assert seen == [False, False, True]
