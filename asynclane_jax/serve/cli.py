@@ -246,7 +246,7 @@ def run(args) -> int:
     sampler, options = _sampler_and_options(args)
     allow = allowed_configs(sampler, args.allow_options)
     if args.dry_run:
-        return dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget)
+        return dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget, allow)
     import asynclane_jax
     from asynclane_jax.serve.app import create_app
     from asynclane_jax.serve.engine import Engine, EngineError
@@ -323,8 +323,9 @@ def _size_arg(value, flag: str):
         raise UsageError(f"{flag} {e}") from None
 
 
-def dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget) -> int:
-    """--dry-run: prints the footprint (`footprint.Footprint`); 0 when it fits."""
+def dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget, allow=()) -> int:
+    """--dry-run: prints the footprint (`footprint.Footprint`), the `--allow-options`
+    configurations' pools included; 0 when it fits."""
     from asynclane_jax.generate_cli import DEFAULT_MODEL
     from asynclane_jax.serve.engine import EngineError
     from asynclane_jax.serve.footprint import footprint
@@ -335,7 +336,7 @@ def dry_run(args, sampler, options, buckets, prompt_lengths, kv_budget) -> int:
                            slots=args.slots, gen_lengths=buckets, max_prompt=args.max_prompt,
                            prompt_lengths=prompt_lengths, kv_budget=kv_budget,
                            device_bytes=device, quantize=args.quantize,
-                           scan_layers=args.scan_layers)
+                           scan_layers=args.scan_layers, allow_options=allow)
     except EngineError as e:
         raise UsageError(str(e)) from None
     print(report.to_json() if args.json else report.summary())

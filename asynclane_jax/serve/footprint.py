@@ -7,10 +7,12 @@
 For the configured sampler, generation buckets, prompt buckets and slots it reports the
 weights' bytes (the model's parameters as abstract arrays, quantized as `--quantize`
 asks), each default pool's decode state (K/V cache, canvas and per-row counters, from
-`jax.eval_shape` of the state the engine carries: `engine.pool_layout`) at every slot
-count the engine compiles, all default pools full at once, and the budget: --kv-budget,
-or the default the server would take (half the free memory of a device of
---device-memory bytes after the weights; without it, this machine's devices or host).
+`jax.eval_shape` of the state the engine carries: `engine.pool_layout`; a pool per
+generation bucket, prompt bucket and configuration, the server's own and each
+`--allow-options` one whose program differs) at every slot count the engine compiles,
+all default pools full at once, and the budget: --kv-budget, or the default the server
+would take (half the free memory of a device of --device-memory bytes after the
+weights; without it, this machine's devices or host).
 `--model` is a converted folder, a shipped model or a preset name (llada-8b-instruct,
 dream-7b-instruct, ...): only its config is read.
 
@@ -29,7 +31,9 @@ from asynclane_jax.serve.budget import size_text
 
 @dataclasses.dataclass
 class PoolFootprint:
-    """One default pool: its generation and prompt buckets and its state's bytes."""
+    """One default pool: its generation and prompt buckets, the configuration it serves
+    (the options an `--allow-options` configuration sets beyond the server's; {} for the
+    server's own) and its state's bytes."""
 
     gen_length: int
     prompt_length: int
@@ -37,6 +41,11 @@ class PoolFootprint:
     row_bytes: int  # per slot
     kv_row_bytes: int  # of which the K/V cache's
     bytes_at: dict  # slot count -> bytes of the state at that count
+    config: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return (self.gen_length, self.prompt_length, tuple(sorted(self.config.items())))
 
 
 @dataclasses.dataclass
@@ -64,8 +73,9 @@ class Footprint:
 
     @property
     def rows_in_budget(self) -> dict:
-        """(gen_length, prompt_length) -> the rows of that pool the budget holds alone."""
-        return {(p.gen_length, p.prompt_length):
+        """A pool's key (gen_length, prompt_length, its configuration's options) -> the
+        rows of that pool the budget holds alone."""
+        return {p.key:
                 max((self.kv_budget - p.fixed_bytes) // p.row_bytes, 0) if p.row_bytes else 0
                 for p in self.pools}
 
@@ -74,8 +84,9 @@ class Footprint:
         out = []
         for p in self.pools:
             if p.bytes_at[1] > self.kv_budget:
+                config = "".join(f", {k}={v}" for k, v in p.config.items())
                 out.append(f"a request at generation length {p.gen_length} (prompt "
-                           f"{p.prompt_length}) needs {size_text(p.bytes_at[1])}, more "
+                           f"{p.prompt_length}{config}) needs {size_text(p.bytes_at[1])}, more "
                            f"than the budget {size_text(self.kv_budget)}: refused")
         if self.device_bytes is not None and \
                 self.weight_bytes + self.kv_budget > self.device_bytes:
@@ -95,8 +106,9 @@ class Footprint:
                       for p in self.pools]
         d.update(all_full_bytes=self.all_full_bytes, fits=self.fits,
                  problems=self.problems,
-                 rows_in_budget=[{"gen_length": g, "prompt_length": n, "rows": r}
-                                 for (g, n), r in self.rows_in_budget.items()])
+                 rows_in_budget=[{"gen_length": g, "prompt_length": n, "config": dict(c),
+                                  "rows": r}
+                                 for (g, n, c), r in self.rows_in_budget.items()])
         return d
 
     def to_json(self) -> str:
@@ -112,10 +124,11 @@ class Footprint:
         rows = self.rows_in_budget
         for p in self.pools:
             at = ", ".join(f"{b}: {size_text(v)}" for b, v in p.bytes_at.items())
-            lines.append(f"  gen {p.gen_length}, prompt {p.prompt_length}: "
+            config = "".join(f", {k}={v}" for k, v in p.config.items())
+            lines.append(f"  gen {p.gen_length}, prompt {p.prompt_length}{config}: "
                          f"{size_text(p.row_bytes)} per slot (K/V "
                          f"{size_text(p.kv_row_bytes)}); at {at}; the budget holds "
-                         f"{rows[(p.gen_length, p.prompt_length)]} rows of it")
+                         f"{rows[p.key]} rows of it")
         lines.append(f"every default pool full at once: {size_text(self.all_full_bytes)}")
         lines.append(f"budget (--kv-budget): {size_text(self.kv_budget)} "
                      f"({self.budget_source})")
@@ -147,9 +160,13 @@ def footprint(model, *, sampler: str, options: dict | None = None, slots: int = 
               gen_lengths=(128, 256, 512), max_prompt: int | None = None,
               prompt_lengths=None, kv_budget: int | str | None = None,
               device_bytes: int | None = None, quantize: str | None = None,
-              scan_layers: bool | None = None, dtype: str | None = None) -> Footprint:
+              scan_layers: bool | None = None, dtype: str | None = None,
+              allow_options=None) -> Footprint:
     """The footprint of `asynclane-jax serve` for a model (a preset name, a converted
     folder or shipped model, or a ModelConfig) and configuration; nothing is allocated.
+    `allow_options`: the further configurations requests may pick (dicts of options
+    over `options`, as `serve --allow-options` gives them); each whose program differs
+    from one already counted adds its pools.
 
     Raises:
       EngineError: a bad sampler, option or bucket, a budget that cannot be read.
@@ -162,7 +179,13 @@ def footprint(model, *, sampler: str, options: dict | None = None, slots: int = 
     from asynclane_jax.decoding.schedule import SamplerError
     from asynclane_jax.models import ModelConfig, abstract_model
     from asynclane_jax.models import quantize as quantize_lib
-    from asynclane_jax.serve.engine import EngineError, device_memory, pool_layout, prompt_buckets
+    from asynclane_jax.serve.engine import (
+        MAX_CONFIGS,
+        EngineError,
+        device_memory,
+        pool_layout,
+        prompt_buckets,
+    )
 
     cfg = model if isinstance(model, ModelConfig) else _config(str(model))
     name = f"{cfg.family} config" if isinstance(model, ModelConfig) else str(model)
@@ -177,25 +200,35 @@ def footprint(model, *, sampler: str, options: dict | None = None, slots: int = 
     weights = quantize_lib.weight_bytes(params)
     buckets = budget_lib.slot_buckets(int(slots))
     pools = []
+    configs = [{}] + [dict(c) for c in (allow_options or ())]
+    if len(configs) > MAX_CONFIGS:  # as the server refuses them at start
+        raise EngineError(f"allow_options: at most {MAX_CONFIGS - 1} configurations "
+                          "besides the server's own (each a pool of its own)")
     for g in gens:
-        try:
-            schedule = make_schedule(sampler, gen_length=g, **(options or {}))
-        except (SamplerError, TypeError, ValueError) as e:
-            raise EngineError(f"{sampler}: {e}") from None
-        if getattr(schedule, "delimiter_ids", ()) is None and \
-                getattr(schedule, "max_lanes", 1) != 1:
-            # No tokenizer here for AsyncLane's newline ids: one stand-in id (as `aot`
-            # does); the ids are constants, the state's shapes are the same.
-            schedule = dc.replace(schedule, delimiters=str(cfg.eos_token_id))
-        schedule = schedule.bind(None, cfg)
-        for n in prompts:
-            P = prompt_bucket(n, g, cfg, n)
-            shape, _ = pool_layout(graphdef, params, schedule, (1, P + g),
-                                   cfg.mask_token_id)
-            pools.append(PoolFootprint(gen_length=g, prompt_length=P,
-                                       fixed_bytes=shape.fixed, row_bytes=shape.per_row,
-                                       kv_row_bytes=shape.kv_per_row,
-                                       bytes_at={b: shape.bytes(b) for b in buckets}))
+        seen = set()
+        for extra in configs:
+            try:
+                schedule = make_schedule(sampler, gen_length=g, **{**(options or {}), **extra})
+            except (SamplerError, TypeError, ValueError) as e:
+                raise EngineError(f"{sampler}: {e}") from None
+            if getattr(schedule, "delimiter_ids", ()) is None and \
+                    getattr(schedule, "max_lanes", 1) != 1:
+                # No tokenizer here for AsyncLane's newline ids: one stand-in id (as
+                # `aot` does); the ids are constants, the state's shapes are the same.
+                schedule = dc.replace(schedule, delimiters=str(cfg.eos_token_id))
+            schedule = schedule.bind(None, cfg)
+            if schedule.structure() in seen:  # the same program: the same pools
+                continue
+            seen.add(schedule.structure())
+            for n in prompts:
+                P = prompt_bucket(n, g, cfg, n)
+                shape, _ = pool_layout(graphdef, params, schedule, (1, P + g),
+                                       cfg.mask_token_id)
+                pools.append(PoolFootprint(gen_length=g, prompt_length=P,
+                                           fixed_bytes=shape.fixed, row_bytes=shape.per_row,
+                                           kv_row_bytes=shape.kv_per_row,
+                                           bytes_at={b: shape.bytes(b) for b in buckets},
+                                           config=extra))
     if kv_budget is not None:
         try:
             budget, source = budget_lib.parse_bytes(kv_budget), "given"

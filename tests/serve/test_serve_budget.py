@@ -181,3 +181,32 @@ def test_dry_run_refuses_a_bad_budget_or_model(capsys):
     assert "--kv-budget 'lots'" in capsys.readouterr().err
     assert cli.main(["serve", "--dry-run", "--model", "no-such-model-here"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_dry_run_counts_the_allowed_configurations(capsys):
+    """`serve --dry-run --allow-options`: a configuration whose program differs (lanes
+    off) adds its own pools, named by its options; one that only sets a traced option
+    (a threshold) runs in the server's pools and adds none; more than the server takes
+    is refused as the server refuses it."""
+    from asynclane_jax import cli
+    from asynclane_jax.serve.engine import MAX_CONFIGS
+
+    base = ["serve", "--dry-run", "--model", "tiny-llada", "--max-tokens", "64",
+            "--max-prompt", "64", "--kv-budget", "1GiB", "--json"]
+    assert cli.main(base) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert cli.main(base + ["--allow-options", "threshold=0.8"]) == 0
+    assert json.loads(capsys.readouterr().out)["pools"] == own["pools"]
+    assert cli.main(base + ["--allow-options", "max_lanes=1"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    n = len(own["pools"])
+    assert both["pools"][:n] == own["pools"] and len(both["pools"]) == 2 * n
+    assert all(p["config"] == {"max_lanes": 1} for p in both["pools"][n:])
+    # One lane slot instead of many: a smaller state per row.
+    assert all(a["row_bytes"] > b["row_bytes"] for a, b in zip(own["pools"], both["pools"][n:]))
+    assert both["all_full_bytes"] == own["all_full_bytes"] + sum(
+        p["bytes_at"]["8"] for p in both["pools"][n:])
+    assert len(both["rows_in_budget"]) == 2 * n
+    too_many = [a for k in range(MAX_CONFIGS) for a in ("--allow-options", f"max_lanes={k + 2}")]
+    assert cli.main(base + too_many) == 2
+    assert "at most" in capsys.readouterr().err
