@@ -73,9 +73,10 @@ def _curriculum(tc: dict) -> str:
 
 
 def _curriculum_flags(tc: dict) -> str:
-    """The train_testbed.py flags that reproduce tc's curriculum and batch mix."""
-    flags = (f" --t-max-start {tc.get('t_max_start', 1.0):g}"
-             f" --t-ramp {tc.get('t_ramp', 0.0):g}")
+    """The train_testbed.py flags that reproduce tc's curriculum and batch mix (no
+    mask-ratio flags for a causal model: it masks nothing)."""
+    flags = "" if tc.get("objective", "diffusion") == "causal" else (
+        f" --t-max-start {tc.get('t_max_start', 1.0):g} --t-ramp {tc.get('t_ramp', 0.0):g}")
     from asynclane_jax.testbed.train import long_frac
 
     if tc.get("buckets"):
@@ -190,9 +191,12 @@ TASK_SECTIONS = {"v1": _v1_task, **{name: functools.partial(_long_task, name)
 def train_command(tc: dict) -> str:
     """The experiments/train_testbed.py command that trains a run of this config."""
     base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
-    flags = [f"--model {base}", f"--minutes {tc['minutes']:g}"]
+    causal = tc.get("objective", "diffusion") == "causal"
+    flags = [f"--model {base}"] + (["--objective causal"] if causal else []) + [
+        f"--minutes {tc['minutes']:g}"]
     task_set = tc.get("task_set", "v1")
-    if tc["name"] != (base if task_set == "v1" else f"{base}-{task_set}"):  # the default
+    default = "tiny-ar-v4" if causal else base if task_set == "v1" else f"{base}-{task_set}"
+    if tc["name"] != default:
         flags.append(f"--name {tc['name']}")
     from asynclane_jax.testbed.train import TrainConfig
 

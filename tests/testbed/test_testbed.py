@@ -248,6 +248,12 @@ def test_the_card_names_the_command_that_trains_the_run():
         "tiny-llada-v4b --lr 0.001 --init-from tiny-llada-v4 --t-max-start 0.25 --t-ramp 0.2 "
         "--task-set v4 --family-weights 1,1,3,3")
     assert "walk-down 37.5%" in card._curriculum(mixed)
+    ar = train.ar_v4_config(minutes=85.0, qkv_bias=True,
+                            family_weights=(1.0, 1.0, 3.0, 3.0)).to_dict()
+    assert card.train_command(ar) == (
+        "python experiments/train_testbed.py --model tiny-llada --objective causal "
+        "--minutes 85 --d-model 64 --mlp-hidden 256 --qkv-bias --task-set v4 "
+        "--family-weights 1,1,3,3")
     assert train.TrainConfig.from_dict(mixed).family_weights == (1.0, 1.0, 3.0, 3.0)
 
 
