@@ -279,12 +279,19 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
     bias = "q/k/v biases" if m["qkv_bias"] else "no biases"
     attention = ("grouped-query attention" if m["n_kv_heads"] < m["n_heads"]
                  else "multi-head attention")
-    family = (f"LLaDA-style: multi-head attention, {bias}, same-position logits"
-              if m["family"] == "llada" else
-              f"Dream-style: {attention}, {bias}, shifted logits "
-              "(the token at position i is read from the output at i - 1)")
+    causal = bool(m.get("causal"))
+    if causal:
+        family = (f"{attention}, {bias}, causal attention, next-token logits (the token at "
+                  "position i is read from the output at i - 1), the size of the "
+                  f"{'LLaDA' if m['family'] == 'llada' else 'Dream'}-style testbed models")
+    else:
+        family = (f"LLaDA-style: multi-head attention, {bias}, same-position logits"
+                  if m["family"] == "llada" else
+                  f"Dream-style: {attention}, {bias}, shifted logits "
+                  "(the token at position i is read from the output at i - 1)")
+    kind = "autoregressive language model" if causal else "masked-diffusion language model"
     out = [f"# {name}", "",
-           f"A tiny masked-diffusion language model ({family}) trained "
+           f"A tiny {kind} ({family}) trained "
            + (f"from `{tc['init_from']}` (a warm start: its weights, see Training) "
               if tc.get("init_from") else "from scratch ")
            + "on the testbed's synthetic reasoning tasks. It exists so that every sampler of "
@@ -335,9 +342,13 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
             out.append(f"| {_label(e)} | {e['gen_length']} | " + " | ".join(
                 "—" if c is None else f"{_pct(c['accuracy'])} ({c['n']})" for c in cells)
                 + " |")
-    out += ["", "Vanilla: steps = gen_length, one token per step, block length 32, "
-            "low-confidence remasking, greedy. Model calls per token count a row's model "
-            "calls over its tokens before end-of-text.", ""]
+    samplers = {e["sampler"] for e in evals}
+    out += ["", *(["Vanilla: steps = gen_length, one token per step, block length 32, "
+                   "low-confidence remasking, greedy. "] if "vanilla" in samplers else []),
+            *(["ar: greedy, left to right, one position per model call with a K/V cache, "
+               "ending at the first end-of-text. "] if "ar" in samplers else []),
+            "Model calls per token count a row's model calls over its tokens before "
+            "end-of-text.", ""]
     mon = log.get("evals") or []
     if mon:
         out += [f"Monitored during training ({tc.get('eval_sampler', 'vanilla')}, gen length "

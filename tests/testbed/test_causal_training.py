@@ -86,3 +86,17 @@ def test_a_few_causal_steps_lower_the_loss_and_the_monitor_decodes_with_ar():
     trainer.tc = dataclasses.replace(trainer.tc, eval_n=2, eval_gen_length=16)
     res = trainer.evaluate()
     assert 0.0 <= res["acc"] <= 1.0
+
+
+def test_the_card_of_a_causal_model_says_what_it_is():
+    tc = train.ar_v4_config(minutes=85.0, qkv_bias=True)
+    config = {"model": dataclasses.asdict(tc.model_config())}
+    log = {"config": tc.to_dict(), "elapsed_s": 5100.0, "params": 420928, "step": 100,
+           "evals": []}
+    ev = {"sampler": "ar", "options": {}, "gen_length": 512, "n": 8, "accuracy": 1.0,
+          "line_accuracy": 1.0, "nfe_per_token": 1.0, "tps": 100.0}
+    text = card.render("tiny-ar-v4", config, log, [ev])
+    assert "A tiny autoregressive language model (multi-head attention, q/k/v biases, causal" \
+        in text and "masked-diffusion" not in text.split("## Task")[0]
+    assert "Next-token prediction" in text and "--objective causal" in text
+    assert "ar: greedy, left to right" in text and "Vanilla: steps" not in text
