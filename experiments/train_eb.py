@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import time
 
@@ -43,6 +44,20 @@ from asynclane_jax.testbed import routers as R
 from asynclane_jax.testbed import tasks
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "baselines"
+
+
+def tau_note(t: dict) -> str:
+    """What set tau_psi: how many negatives the false-positive bound let pass (none when
+    there are fewer than 1 / max_fpr of them: tau_psi is then the highest negative's
+    p_psi, and the true-positive rate is the share of positives scoring above that one
+    position)."""
+    allowed = int(math.floor(t["max_fpr"] * t["n_neg"]))
+    if allowed:
+        return (f"The bound lets {allowed} of the {t['n_neg']} negatives pass: tau_psi is "
+                f"the p_psi of the negative ranked {allowed + 1}.")
+    return (f"With {t['n_neg']} negatives the bound ({t['max_fpr']:g}) lets none pass, so "
+            "tau_psi is the p_psi of the single highest-scoring negative, and the "
+            "true-positive rate is the share of positives scoring above that one position.")
 
 
 def median_ms(fn, *args, repeats: int = 30) -> float:
@@ -310,7 +325,8 @@ def markdown(r: dict) -> str:
         f"Counted: block positions below the 0.9 threshold ({t['n_pos']} positive, "
         f"{t['n_neg']} negative). tau_psi = {t['tau_psi']:.4f}: false-positive rate "
         f"{t['fpr']:.4f}, true-positive rate {t['tpr']:.3f}, precision {t['precision']:.3f}; "
-        f"it commits {t['extra_commits']:.1%} of those positions beyond the threshold rule.",
+        f"it commits {t['extra_commits']:.1%} of those positions beyond the threshold rule. "
+        + tau_note(t),
         "",
         "## Router cost (batch 1, median ms per call)",
         "",
