@@ -1,8 +1,9 @@
 """Early-Bird decoding, EB-Decode (arXiv 2609.16450): a learned block size and a learned
 commit rule, as one schedule (sampler "eb").
 
-Every call is a full forward over the whole canvas (no cache, the paper's G=512, B=32
-setting); the schedule reads the logits of every generated position. Per row:
+By default (cache=none) every call is a full forward over the whole canvas (no cache, the
+paper's G=512, B=32 setting); the schedule reads the logits of every generated position.
+cache=dual adds Fast-dLLM's dual K/V cache (below). Per row:
 
   1. Block (LBS router, eb_routers.py). When the row has no current block, or its
      block has no masks left, the LBS router scores every generated position from this
@@ -48,6 +49,31 @@ blocks of fallback_length consecutive masked positions, i.e. threshold decoding 
 a cache); lps=false never runs the LPS router (commit at `threshold`, else the top-1).
 The router traces of testbed/routers.py are decoded with these switches, through the
 driver's `tap` and `decide`.
+
+Dual cache (cache=dual; not in the paper, which has no cache). A row that needs a new
+block gets a refresh: a full forward whose K/V become the row's cache and whose logits
+both choose the block (the LBS router reads every generated position, as without a
+cache) and decode that step, so no call is spent on choosing. While the block has masks,
+cached calls query only the block's positions (each member column minus the logit
+shift, so a Dream model predicts every member too) against the cache of everything
+else, as Fast-dLLM's dual cache does; the LPS commit rule is unchanged. Refreshes are
+per row (block.py's `row_refresh`): a full forward serves the rows that need a block as
+soon as one does (computed over those rows alone, `compact_full`), the others wait that
+iteration, so every row decodes as it would alone. Deviation from the paper: a cached
+call's query width is static while LBS blocks have any length, so every block (the
+fallback included) is cut to its first `max_block` masked positions (`row_cut` counts
+the blocks cut); the rest stays masked for later blocks. With lbs=false lps=false and
+max_block >= fallback_length this is Fast-dLLM's dual-cache threshold decoding with
+blocks of fallback_length on a LLaDA model (tests/decoding/test_early_bird_cache.py); on a
+logit-shifted (Dream) model it is not, by design: Fast-dLLM's Dream code commits only
+the block's first column at the refresh, because its cached window does not predict it.
+
+Query width, today: the driver's Plan has one static query count Q for full and cached
+calls alike, and the refresh must read all G generated positions' logits for the LBS, so
+Q = G: a cached call feeds the block's (at most max_block) columns padded to G with
+unused slots (T). The tokens are the dual cache's; the cost of a cached call is that of
+G queries, not max_block, until the driver lets a full call read more columns than a
+cached call queries.
 """
 
 from __future__ import annotations
@@ -63,6 +89,7 @@ from flax import struct
 
 from asynclane_jax import checkpoint
 from asynclane_jax.decoding import ops
+from asynclane_jax.decoding.block import ROW_REFRESH_MAX_ROWS
 from asynclane_jax.decoding.eb_routers import (
     LBSRouter,
     LPSRouter,
@@ -78,14 +105,19 @@ from asynclane_jax.decoding.ops import greedy_confidence, never_the_mask
 from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
 from asynclane_jax.decoding.stats import DecodeStats
 
+# cache=none: the paper's; dual: Fast-dLLM's dual cache (module docstring).
+CACHE_MODES = ("none", "dual")
+
 
 @dataclasses.dataclass
 class EarlyBirdStats(DecodeStats):
-    """DecodeStats plus, per row: row_blocks (blocks chosen) and row_fallbacks (blocks
-    that fell back to the first fallback_length masked positions)."""
+    """DecodeStats plus, per row: row_blocks (blocks chosen), row_fallbacks (blocks
+    that fell back to the first fallback_length masked positions) and row_cut (blocks
+    cut to their first max_block masked positions; cache=dual only, else 0)."""
 
     row_blocks: np.ndarray | None = None
     row_fallbacks: np.ndarray | None = None
+    row_cut: np.ndarray | None = None
 
 
 @struct.dataclass
@@ -95,6 +127,7 @@ class EarlyBirdState:
     index: jax.Array  # [b, G] int32 each member's index in its block, by position
     blocks: jax.Array  # [b] int32 blocks chosen so far
     fallbacks: jax.Array  # [b] int32 of which fell back
+    cut: jax.Array  # [b] int32 of which were cut to max_block (cache=dual)
 
 
 def choose_block(masked, candidate, *, g_max: int, l_min: int, fallback_length: int):
@@ -176,6 +209,12 @@ def default_router_folder(cfg) -> pathlib.Path:
 class EarlyBirdSchedule(Schedule):
     """EB-Decode: LBS-chosen variable-length blocks, LPS-assisted commits.
 
+    cache=none (the default) is the paper's setting: every call a full forward. cache=dual
+    refreshes a row's K/V with a full forward when it needs a block (that call's logits
+    choose the block and decode that step), then queries only the block's columns in
+    cached calls; blocks are cut to their first max_block masked positions (the paper's
+    are uncapped: it has no cache). See the module docstring.
+
     Attributes:
       g_max: largest run of masked non-candidates inside an LBS block.
       l_min: an LBS block of fewer masked positions falls back.
@@ -188,6 +227,11 @@ class EarlyBirdSchedule(Schedule):
         folder); default: the shipped routers of this model.
       lbs: run the LBS router (false: every block is the fallback).
       lps: run the LPS router (false: commit at threshold, else the top-1).
+      cache: none (every call a full forward, as in the paper) | dual (a full forward
+        when a row needs a block, then cached calls that query only the block against
+        the cache of everything else).
+      max_block: with cache=dual, a block (LBS or fallback) is cut to its first this many
+        masked positions, the cached calls' query width; ignored with cache=none.
     """
 
     name = "eb"
@@ -204,6 +248,8 @@ class EarlyBirdSchedule(Schedule):
     routers: str | None = dataclasses.field(default=None, compare=False)
     lbs: bool = True
     lps: bool = True
+    cache: str = "none"
+    max_block: int = 64
     # Set by `bind` / `with_weights`: the (LBSConfig, LPSConfig) of the weights (hashed:
     # they fix the routers' structure in the program), the digest naming the weights
     # (reported), and the weights (handed to the program by `operands`).
@@ -224,6 +270,36 @@ class EarlyBirdSchedule(Schedule):
                 raise SamplerError(f"eb: {field}={getattr(self, field)} must be in (0, 1]")
         if self.tau_psi is not None and not 0 <= self.tau_psi <= 1:
             raise SamplerError(f"eb: tau_psi={self.tau_psi} must be in [0, 1]")
+        if self.cache not in CACHE_MODES:
+            raise SamplerError(f"eb: cache={self.cache!r} must be one of {CACHE_MODES}")
+        if isinstance(self.max_block, bool) or not isinstance(self.max_block, int) \
+                or self.max_block < 1:
+            raise SamplerError(f"eb: max_block={self.max_block!r} must be an integer >= 1")
+        for field in ("lbs", "lps"):
+            if getattr(self, field) not in (True, False):
+                raise SamplerError(f"eb: {field}={getattr(self, field)!r} must be true or "
+                                   "false")
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.cache == "dual"
+
+    @property
+    def compact_full(self) -> bool:  # Schedule.compact_full, per instance
+        # The update commits, and changes state, only in served rows, and reads nothing
+        # of a row it does not serve; a refresh serving few rows is computed over those.
+        return self.cache == "dual"
+
+    @property
+    def width(self) -> int:
+        """The most members a block may have: max_block with cache=dual, else G."""
+        return min(self.max_block, self.gen_length) if self.uses_cache else self.gen_length
+
+    def query_size(self) -> int:
+        """Q of every call: G (a refresh reads every generated position; the driver's Q
+        is one for full and cached calls, so the cached calls' block columns are padded
+        to G; module docstring)."""
+        return self.gen_length
 
     @property
     def needs_routers(self) -> bool:
@@ -292,23 +368,50 @@ class EarlyBirdSchedule(Schedule):
 
     # -- what the driver asks -------------------------------------------------------------
     def max_iterations(self) -> int:
-        return self.gen_length + 2  # every call commits at least one position per row
+        G = self.gen_length
+        if not self.uses_cache:
+            return G + 2  # every call commits at least one position per row
+        # Every served row commits at least one position per call. A cached call serves
+        # every live row (at most G of them); a refresh serves at least one row that
+        # starts a block (at most G blocks per row, ROW_REFRESH_MAX_ROWS rows).
+        return G * (ROW_REFRESH_MAX_ROWS + 1) + 2
 
     def init(self, ctx: Context) -> EarlyBirdState:
         b, G = ctx.batch, self.gen_length
+        if self.uses_cache and b > ROW_REFRESH_MAX_ROWS:
+            raise SamplerError(f"eb: cache=dual decodes at most {ROW_REFRESH_MAX_ROWS} "
+                               f"rows at once, not {b}")
         zeros = jnp.zeros((b,), jnp.int32)
         return EarlyBirdState(block=jnp.zeros((b, G), bool), size=zeros,
                               index=jnp.zeros((b, G), jnp.int32), blocks=zeros,
-                              fallbacks=zeros)
+                              fallbacks=zeros, cut=zeros)
 
     def _columns(self, ctx: Context):
         cols = ctx.prompt_len + jnp.arange(self.gen_length, dtype=jnp.int32)
         return jnp.broadcast_to(cols, (ctx.batch, self.gen_length))
 
+    def _block_queries(self, ctx: Context, block):
+        """[b, G] the columns a cached call queries: each member of the row's block
+        (minus the shift, so the member is predicted), in position order, then T."""
+        G = self.gen_length
+        order = jnp.argsort((~block).astype(jnp.int32), axis=-1, stable=True)
+        members = jnp.sum(block, axis=-1, keepdims=True)
+        cols = ctx.prompt_len + order.astype(jnp.int32) - ctx.shift
+        return jnp.where(jnp.arange(G)[None, :] < members, cols, ctx.length).astype(jnp.int32)
+
     def plan(self, ctx: Context, canvas, state, live) -> Plan:
         # Every generated column is predicted (a logit-shifted model: one column earlier).
-        return Plan(positions=self._columns(ctx) - ctx.shift, full=jnp.asarray(True),
-                    serve=live)
+        full_q = self._columns(ctx) - ctx.shift
+        if not self.uses_cache:
+            return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
+        # Dual cache: a row whose block has no masks left needs a refresh (a full forward
+        # that also chooses its next block); one is made as soon as any row needs it,
+        # serving those rows (the others wait). Else a cached call queries the blocks.
+        gen = canvas[:, ctx.prompt_len:]
+        need = live & ~jnp.any(state.block & (gen == ctx.mask_id), axis=-1)
+        refresh = jnp.any(need)
+        return Plan(positions=jnp.where(refresh, full_q, self._block_queries(ctx, state.block)),
+                    full=refresh, serve=jnp.where(refresh, need, live))
 
     def decide(self, ctx: Context, canvas, state: EarlyBirdState, out: CallOutput, key):
         """`update`, plus what the routers read (for decode traces).
@@ -341,6 +444,10 @@ class EarlyBirdSchedule(Schedule):
         new_block, fell_back = choose_block(masked, candidate, g_max=self.g_max,
                                             l_min=self.l_min,
                                             fallback_length=self.fallback_length)
+        cut = jnp.zeros_like(fell_back)
+        if self.uses_cache:  # the cached calls' query width: the first max_block members
+            cut = jnp.sum(new_block, axis=-1) > self.width
+            new_block = new_block & (jnp.cumsum(new_block, axis=-1) <= self.width)
         block = jnp.where(need[:, None], new_block, state.block)
         size = jnp.where(need, jnp.sum(new_block, axis=-1), state.size).astype(jnp.int32)
         index = jnp.where(need[:, None], jnp.cumsum(new_block, axis=-1) - 1,
@@ -362,7 +469,8 @@ class EarlyBirdSchedule(Schedule):
         canvas = canvas.at[:, P:].set(jnp.where(commit, x0, gen))
         state = EarlyBirdState(block=block, size=size, index=index,
                                blocks=state.blocks + need,
-                               fallbacks=state.fallbacks + (need & fell_back))
+                               fallbacks=state.fallbacks + (need & fell_back),
+                               cut=state.cut + (need & cut))
         info = {"logits": logits, "x0": x0, "conf": conf, "masked": masked,
                 "lbs_entropy": entropy, "lbs_top1": top1, "block_masked": block_masked,
                 "lps_features": features, "commit": commit}
@@ -377,4 +485,5 @@ class EarlyBirdSchedule(Schedule):
 
     def summary(self, ctx: Context, state: EarlyBirdState) -> dict:
         return {"row_blocks": np.asarray(state.blocks),
-                "row_fallbacks": np.asarray(state.fallbacks)}
+                "row_fallbacks": np.asarray(state.fallbacks),
+                "row_cut": np.asarray(state.cut)}

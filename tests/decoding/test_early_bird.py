@@ -289,12 +289,20 @@ def tiny_llada():
     return aj.load("tiny-llada")[0]
 
 
-def test_without_routers_it_is_threshold_decoding_without_cache(tiny_llada):
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_without_routers_it_is_threshold_decoding_with_the_same_cache(tiny_llada, cache):
+    """Fast-dLLM's tokens with the same cache (blocks of 32, threshold 0.9); with
+    cache=dual its calls too (tests/decoding/test_early_bird_cache.py: tiny random LLaDA
+    and Dream models)."""
     _, prompts = _problems(4)
-    a = generate(tiny_llada, prompts, sampler="eb", gen_length=128, lbs=False, lps=False)
-    b = generate(tiny_llada, prompts, sampler="fast-dllm", gen_length=128, cache="none")
+    a = generate(tiny_llada, prompts, sampler="eb", gen_length=128, lbs=False, lps=False,
+                 cache=cache)
+    b = generate(tiny_llada, prompts, sampler="fast-dllm", gen_length=128, cache=cache)
     np.testing.assert_array_equal(a.tokens, b.tokens)
     assert (a.stats.row_fallbacks == a.stats.row_blocks).all()
+    if cache == "dual":
+        np.testing.assert_array_equal(a.stats.row_nfe_full, b.stats.row_nfe_full)
+        np.testing.assert_array_equal(a.stats.row_nfe_partial, b.stats.row_nfe_partial)
 
 
 @pytest.mark.slow
