@@ -100,14 +100,20 @@ def to_output(array: np.ndarray, assignment: Assignment, dtype: np.dtype) -> np.
 
 
 def read_output(source: reader.TensorSource, assignment: Assignment, dtype: np.dtype,
-                block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+                block_bytes: int = BLOCK_BYTES, out: np.ndarray | None = None) -> np.ndarray:
     """One source tensor in parameter layout and the output dtype, filled a block of
-    source rows at a time: besides the result, only one block is in memory."""
+    source rows at a time: besides the result, only one block is in memory. With `out`
+    (a slice of a stacked output, of the parameter layout's shape and dtype), it is
+    filled in place and returned."""
     info = source.info
     if len(info.shape) < 1 or info.shape[0] == 0:
-        return to_output(source.read(), assignment, dtype)
+        if out is None:
+            return to_output(source.read(), assignment, dtype)
+        out[...] = to_output(source.read(), assignment, dtype)
+        return out
     transpose = assignment.transform == "transpose"
-    out = np.empty(info.shape[::-1] if transpose else info.shape, dtype)
+    if out is None:
+        out = np.empty(info.shape[::-1] if transpose else info.shape, dtype)
     rows = info.shape[0]
     step = max(1, block_bytes // max(1, info.nbytes // rows))
     for start in range(0, rows, step):
@@ -172,8 +178,16 @@ def params_from_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> 
     assignments = plan(cfg, {n: np.shape(t) for n, t in tensors.items()})
     dtype = NP_DTYPES[cfg.param_dtype]
     params: dict = {}
+    stacks: dict = {}
     for name, a in assignments.items():
-        _set(params, a.target, to_output(np.asarray(tensors[name]), a, dtype))
+        out = to_output(np.asarray(tensors[name]), a, dtype)
+        if a.index is None:
+            _set(params, a.target, out)
+        else:  # one expert of a stacked parameter
+            if a.target not in stacks:
+                stacks[a.target] = np.empty(a.target_shape, dtype)
+                _set(params, a.target, stacks[a.target])
+            stacks[a.target][a.index] = out
     return params
 
 
@@ -377,6 +391,13 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
     _check_destination(src_path if src_exists else None, dst, force)
     snap, cfg, assignments, adapter = prepare(src, dtype=dtype, lora=lora, cache_dir=cache_dir)
     _check_destination(snap.folder, dst, force)
+    if cfg.is_moe:
+        asked = [flag for flag, on in (("--lora", lora), ("--quantize", quantize),
+                                       ("--scan-layers", scan_layers)) if on]
+        if asked:
+            raise ConvertError(f"{', '.join(asked)} with a mixture-of-experts ({cfg.family}) "
+                               "checkpoint: not built yet (docs/llada2.md); nothing was "
+                               "written")
     out_dtype = NP_DTYPES[cfg.param_dtype]
     total = sum(snap.tensors[n].nbytes for n in assignments)
 
@@ -398,22 +419,41 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
         params: dict = {}
+        # What each check is of: a source's output, or (key "<target>[*]") a stacked
+        # parameter once every expert's slice is in it.
         checks: dict[str, concurrent.futures.Future] = {}
+        checked: dict[str, tuple] = {}
+        stacks: dict[tuple, list] = {}  # target -> [array, slices still to fill]
         n_params = out_bytes = merged = 0
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
                   file=sys.stderr, disable=not progress, leave=False) as bar:
             for info, source in snap.iter_sources(assignments):
                 a = assignments[info.name]
+                into = None
+                if a.index is not None:  # one expert's slice of a stacked parameter
+                    if a.target not in stacks:
+                        stacks[a.target] = [np.empty(a.target_shape, out_dtype), a.n_stacked]
+                        _set(params, a.target, stacks[a.target][0])
+                    into = stacks[a.target][0][a.index]
                 if adapter is not None and info.name in adapter.pairs:
                     out = to_output(adapter.merge(info.name, source.read()), a, out_dtype)
                     merged += 1
                 else:
-                    out = read_output(source, a, out_dtype)
+                    out = read_output(source, a, out_dtype, out=into)
                 del source
                 if out.shape != a.shape:  # plan() checked; guards a reader bug
                     raise ConvertError(f"{info.name} -> {path_str(a.target)}: shape {out.shape}")
-                _set(params, a.target, out)
-                checks[info.name] = inspector.submit(inspect_output, out)
+                if a.index is None:
+                    _set(params, a.target, out)
+                    checks[info.name] = inspector.submit(inspect_output, out)
+                    checked[info.name] = a.target
+                else:
+                    stack = stacks[a.target]
+                    stack[1] -= 1
+                    if not stack[1]:  # every expert is in: check the stacked array
+                        key = f"{path_str(a.target)}[*]"
+                        checks[key] = inspector.submit(inspect_output, stack[0])
+                        checked[key] = a.target
                 _refuse_nonfinite({k: f for k, f in checks.items() if f.done()}, adapter)
                 n_params += out.size
                 out_bytes += out.nbytes
@@ -421,7 +461,7 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
                 if on_tensor is not None:
                     on_tensor(info.name)
         _refuse_nonfinite(checks, adapter)
-        digests = {path_str(assignments[n].target): f.result()[0] for n, f in checks.items()}
+        digests = {path_str(checked[n]): f.result()[0] for n, f in checks.items()}
         extra = {"converted_from": {
             "source": str(src), "format": snap.kind, "shards": [p.name for p in snap.shards],
             "tensors": len(assignments), "source_dtype": snap.float_dtype(),

@@ -18,7 +18,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from checkpoints_convert.names import TABLES, ConvertError, _rule_for_target, apply_transform
+from checkpoints_convert.names import (
+    TABLES,
+    ConvertError,
+    _rule_for_target,
+    apply_transform,
+    sources_of,
+)
 
 
 def hf_tensors(model) -> dict[str, np.ndarray]:
@@ -32,8 +38,10 @@ def hf_tensors(model) -> dict[str, np.ndarray]:
         if found is None:
             raise ConvertError(f"no {model.cfg.family} tensor name for parameter {path}")
         rule, i = found
-        out[rule.source_name(i)] = np.ascontiguousarray(
-            apply_transform(rule.transform, np.asarray(leaf, np.float32)))
+        array = np.asarray(leaf, np.float32)
+        for name, e in sources_of(rule, i, array.shape):  # a stacked one: one per expert
+            out[name] = np.ascontiguousarray(
+                apply_transform(rule.transform, array if e is None else array[e]))
     return out
 
 

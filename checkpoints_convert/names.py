@@ -2,7 +2,9 @@
 
 One table per model family. A rule's source and target are templates in which `{i}`
 stands for the block index; kernels are stored [in, out] in NNX, the transpose of a
-torch Linear weight [out, in], hence the TRANSPOSE transform on every projection.
+torch Linear weight [out, in], hence the TRANSPOSE transform on every projection. A
+source with `{e}` (LLaDA2's routed experts, one tensor per expert) fills slice e of a
+target stacked along a leading expert axis: all E of them make one array per layer.
 
 `plan` checks a checkpoint's whole tensor listing against the model the config
 describes before anything is read or written: every source tensor must be used
@@ -39,9 +41,11 @@ class Rule:
     """One Hugging Face tensor name pattern and the NNX parameter it fills.
 
     Attributes:
-      source: HF tensor name; `{i}` is the block index.
-      target: dotted NNX path; `{i}` is the same block index.
-      transform: COPY, or TRANSPOSE for torch Linear weights ([out, in] -> [in, out]).
+      source: HF tensor name; `{i}` is the block index, `{e}` an expert index.
+      target: dotted NNX path; `{i}` is the same block index. With `{e}` in the source,
+        the target's leading axis is the expert: the source fills slice e.
+      transform: COPY, or TRANSPOSE for torch Linear weights ([out, in] -> [in, out]),
+        applied to the source (to the slice, for a stacked target).
     """
 
     source: str
@@ -50,13 +54,18 @@ class Rule:
 
     @property
     def regex(self) -> re.Pattern:
-        return re.compile(re.escape(self.source).replace(r"\{i\}", r"(?P<i>\d+)"))
+        return re.compile(re.escape(self.source).replace(r"\{i\}", r"(?P<i>\d+)")
+                          .replace(r"\{e\}", r"(?P<e>\d+)"))
+
+    @property
+    def stacked(self) -> bool:
+        return "{e}" in self.source
 
     def target_path(self, i: int | None) -> Path:
         return parse_path(self.target.format(i=i))
 
-    def source_name(self, i: int | None) -> str:
-        return self.source.format(i=i)
+    def source_name(self, i: int | None, e: int | str | None = None) -> str:
+        return self.source.format(i=i, e=e)
 
 
 def _block(prefix: str, pairs: Sequence[tuple[str, str, str]]) -> tuple[Rule, ...]:
@@ -105,7 +114,39 @@ DREAM: tuple[Rule, ...] = (
     ("mlp.down_proj.weight", "mlp.down_proj.kernel", TRANSPOSE),
 ))
 
-TABLES: dict[str, tuple[Rule, ...]] = {"llada": LLADA, "dream": DREAM}
+# LLaDA2 (llada2_moe, Ling-style names). Every layer has the fused query_key_value
+# projection, the per-head query/key norms and the output projection `dense`; the first
+# first_k_dense_replace layers a dense SwiGLU (mlp.gate_proj / up_proj / down_proj), the
+# others a router (mlp.gate: weight [E, d] and the stored expert_bias [E]), the routed
+# experts (mlp.experts.<e>.*, stacked here into one [E, ...] array per projection) and
+# the shared expert (mlp.shared_experts.*). A layer's mlp.gate_proj and
+# mlp.shared_experts.gate_proj never meet: the table maps each to the parameter its
+# layer has, and `plan` refuses the other.
+LLADA2: tuple[Rule, ...] = (
+    Rule("model.word_embeddings.weight", "embed", COPY),
+    Rule("model.norm.weight", "final_norm.scale", COPY),
+    Rule("lm_head.weight", "lm_head.kernel", TRANSPOSE),
+) + _block("model.layers", (
+    ("input_layernorm.weight", "attn_norm.scale", COPY),
+    ("attention.query_key_value.weight", "attn.qkv_proj.kernel", TRANSPOSE),
+    ("attention.query_layernorm.weight", "attn.q_norm.scale", COPY),
+    ("attention.key_layernorm.weight", "attn.k_norm.scale", COPY),
+    ("attention.dense.weight", "attn.o_proj.kernel", TRANSPOSE),
+    ("post_attention_layernorm.weight", "mlp_norm.scale", COPY),
+    ("mlp.gate_proj.weight", "mlp.gate_proj.kernel", TRANSPOSE),
+    ("mlp.up_proj.weight", "mlp.up_proj.kernel", TRANSPOSE),
+    ("mlp.down_proj.weight", "mlp.down_proj.kernel", TRANSPOSE),
+    ("mlp.gate.weight", "mlp.gate.kernel", TRANSPOSE),
+    ("mlp.gate.expert_bias", "mlp.gate.expert_bias", COPY),
+    ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.gate_proj", TRANSPOSE),
+    ("mlp.experts.{e}.up_proj.weight", "mlp.experts.up_proj", TRANSPOSE),
+    ("mlp.experts.{e}.down_proj.weight", "mlp.experts.down_proj", TRANSPOSE),
+    ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.gate_proj.kernel", TRANSPOSE),
+    ("mlp.shared_experts.up_proj.weight", "mlp.shared_experts.up_proj.kernel", TRANSPOSE),
+    ("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.down_proj.kernel", TRANSPOSE),
+))
+
+TABLES: dict[str, tuple[Rule, ...]] = {"llada": LLADA, "dream": DREAM, "llada2": LLADA2}
 
 # Buffers some checkpoints carry that are recomputed, not learned (old .bin exports of
 # Qwen2/Llama saved RoPE's inverse frequencies). They are consumed and dropped.
@@ -141,12 +182,28 @@ def apply_transform(transform: str, array):
     return array.T if transform == TRANSPOSE else array
 
 
-def _match(rules: Sequence[Rule], name: str) -> tuple[Rule, int | None] | None:
+def _match(rules: Sequence[Rule], name: str):
+    """(rule, block index or None, expert index or None) of a source name, or None."""
     for rule in rules:
         m = rule.regex.fullmatch(name)
         if m:
-            return rule, (int(m.group("i")) if "i" in m.groupdict() else None)
+            groups = m.groupdict()
+            return (rule, int(groups["i"]) if "i" in groups else None,
+                    int(groups["e"]) if "e" in groups else None)
     return None
+
+
+def sources_of(rule: Rule, i: int | None, shape: Sequence[int]) -> list[tuple[str, int | None]]:
+    """The source names (with their expert index, or None) that fill a parameter of
+    `shape` through `rule`: one, or one per expert of a stacked target."""
+    if rule.stacked:
+        return [(rule.source_name(i, e), e) for e in range(shape[0])]
+    return [(rule.source_name(i), None)]
+
+
+def slice_shape(rule: Rule, shape: Sequence[int]) -> tuple[int, ...]:
+    """What one source fills of a parameter of `shape`: all of it, or one expert's slice."""
+    return tuple(shape[1:]) if rule.stacked else tuple(shape)
 
 
 def _rule_for_target(rules: Sequence[Rule], path: Path) -> tuple[Rule, int | None] | None:
@@ -172,18 +229,26 @@ def expected_sources(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             raise ConvertError(f"the {cfg.family} name table has no rule for parameter "
                                f"{path_str(path)}")
         rule, i = found
-        out[rule.source_name(i)] = source_shape(rule.transform, shape)
+        for name, _ in sources_of(rule, i, shape):
+            out[name] = source_shape(rule.transform, slice_shape(rule, shape))
     return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Assignment:
-    """Source tensor `source` fills parameter `target` after `transform`."""
+    """Source tensor `source` fills parameter `target` after `transform` (with `index`,
+    slice `index` of a target stacked along a leading axis of `n_stacked`)."""
 
     source: str
     target: Path
     transform: str
-    shape: tuple[int, ...]  # the parameter's shape
+    shape: tuple[int, ...]  # what the source fills: the parameter's shape, or its slice's
+    index: int | None = None
+    n_stacked: int = 0
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        return ((self.n_stacked,) + self.shape) if self.index is not None else self.shape
 
 
 def _listing(label: str, items: list[str], limit: int = 8) -> str:
@@ -210,7 +275,7 @@ def plan(cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], *,
     rules = TABLES[cfg.family]
     params = param_shapes(cfg)
     unknown, unexpected, mismatched, dup = [], [], [], [f"{n}" for n in duplicates]
-    filled: dict[Path, str] = {}
+    filled: dict[tuple[Path, int | None], str] = {}
     out: dict[str, Assignment] = {}
     for name, shape in shapes.items():
         found = _match(rules, name)
@@ -218,25 +283,32 @@ def plan(cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], *,
             if not (ignored_ok and any(p.fullmatch(name) for p in IGNORED)):
                 unknown.append(name)
             continue
-        rule, i = found
+        rule, i, e = found
         target = rule.target_path(i)
-        if target not in params:
-            unexpected.append(f"{name} -> {path_str(target)}")
+        if target not in params or (e is not None and e >= params[target][0]):
+            unexpected.append(f"{name} -> {path_str(target)}"
+                              + (f"[{e}]" if e is not None else ""))
             continue
-        if target in filled:
-            dup.append(f"{name} and {filled[target]} -> {path_str(target)}")
+        if (target, e) in filled:
+            dup.append(f"{name} and {filled[target, e]} -> {path_str(target)}")
             continue
-        filled[target] = name
-        want = source_shape(rule.transform, params[target])
+        filled[target, e] = name
+        part = slice_shape(rule, params[target])
+        want = source_shape(rule.transform, part)
         if tuple(shape) != want:
             mismatched.append(f"{name} has shape {list(shape)}, the config needs {list(want)}")
             continue
-        out[name] = Assignment(name, target, rule.transform, params[target])
+        out[name] = Assignment(name, target, rule.transform, part, e,
+                               params[target][0] if e is not None else 0)
     missing = []
-    for path in params:
-        if path not in filled:
-            found = _rule_for_target(rules, path)
-            missing.append(found[0].source_name(found[1]) if found else path_str(path))
+    for path, shape in params.items():
+        found = _rule_for_target(rules, path)
+        if found is None:
+            if (path, None) not in filled:
+                missing.append(path_str(path))
+            continue
+        missing.extend(n for n, e in sources_of(found[0], found[1], shape)
+                       if (path, e) not in filled)
     problems = []
     if unknown:
         problems.append(_listing("unknown tensors", unknown))

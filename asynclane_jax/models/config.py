@@ -1,4 +1,5 @@
-"""One frozen model config covering the LLaDA (OLMo-style) and Dream (Qwen2-style) families.
+"""One frozen model config covering the LLaDA (OLMo-style) and Dream (Qwen2-style) families,
+and its subclass `LLaDA2Config` for the LLaDA2 mixture-of-experts family (`llada2_moe`).
 
 Notation used across the package: b batch, T canvas length, Q queried positions,
 d model width, H query heads, K key/value heads, h head dim, V vocabulary, L layers.
@@ -14,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-FAMILIES = ("llada", "dream")
+FAMILIES = ("llada", "dream", "llada2")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Sanity bounds on a config's sizes, checked before any shape is built: a config past
@@ -58,7 +59,22 @@ def n_params(cfg_fields: Mapping[str, Any]) -> int:
     attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if c.get("qkv_bias") else 0)
     block = attn + 3 * d * c["mlp_hidden"] + 2 * d
     head = 0 if c.get("tie_embeddings") else d * c["vocab_size"]
+    if c.get("family") == "llada2":
+        return c["vocab_size"] * d + _moe_layers_params(c, attn) + d + head
     return c["vocab_size"] * d + c["n_layers"] * block + d + head
+
+
+def _moe_layers_params(c: Mapping[str, Any], attn: int) -> int:
+    """The layers of a LLaDA2 config: attention (plus the per-head q/k norms), the first
+    `first_dense_layers` with a dense SwiGLU, the rest with a router (kernel and
+    expert_bias), the routed experts and the shared expert(s)."""
+    d, h, E = c["d_model"], c["head_dim"], c["n_experts"]
+    shared = c["moe_hidden"] * c["n_shared_experts"]
+    common = attn + 2 * h + 2 * d
+    dense = common + 3 * d * c["mlp_hidden"]
+    moe = common + d * E + E + E * 3 * d * c["moe_hidden"] + 3 * d * shared
+    first = c["first_dense_layers"]
+    return first * dense + (c["n_layers"] - first) * moe
 
 
 def config_problems(c: Mapping[str, Any]) -> list[str]:
@@ -77,7 +93,12 @@ def config_problems(c: Mapping[str, Any]) -> list[str]:
             problems.append(f"{name}={value}: larger than {limit:,}, which no real model "
                             "is; the config is corrupt")
             sizes_ok = False
-    if sizes_ok:
+    moe_ok = True
+    if c.get("family") == "llada2":
+        moe = moe_problems(c)
+        problems.extend(moe)
+        moe_ok = not moe
+    if sizes_ok and moe_ok:
         if c["n_heads"] % c["n_kv_heads"]:
             problems.append(f"n_heads={c['n_heads']} is not a multiple of "
                             f"n_kv_heads={c['n_kv_heads']}")
@@ -113,6 +134,66 @@ def config_problems(c: Mapping[str, Any]) -> list[str]:
     for name in ("dtype", "param_dtype"):
         if c.get(name) not in DTYPES:
             problems.append(f"{name}={show(c.get(name))}: expected one of {DTYPES}")
+    return problems
+
+
+# The mixture-of-experts fields of a LLaDA2Config and their bounds (a routed expert count
+# past 2^14 or a top-k past 2^10 is no published model).
+MOE_SIZE_LIMITS = {"n_experts": 2**14, "n_experts_per_tok": 2**10, "moe_hidden": 2**20,
+                   "n_expert_groups": 2**14, "n_topk_groups": 2**14, "rotary_dim": 2**12}
+MOE_FIELDS = tuple(MOE_SIZE_LIMITS) + ("n_shared_experts", "first_dense_layers",
+                                       "routed_scaling")
+
+
+def moe_problems(c: Mapping[str, Any]) -> list[str]:
+    """Everything wrong with the mixture-of-experts fields of a LLaDA2Config's fields."""
+    if any(name not in c for name in MOE_FIELDS):
+        return [f"family='llada2' is a mixture-of-experts model: its config is a "
+                f"LLaDA2Config with {list(MOE_FIELDS)}"]
+    problems = []
+    ok = True
+    for name, limit in MOE_SIZE_LIMITS.items():
+        value = c[name]
+        if not is_int(value) or value <= 0:
+            problems.append(f"{name}={show(value)}: must be a positive integer")
+            ok = False
+        elif value > limit:
+            problems.append(f"{name}={value}: larger than {limit:,}; the config is corrupt")
+            ok = False
+    for name in ("n_shared_experts", "first_dense_layers"):
+        value = c[name]
+        if not is_int(value) or not 0 <= value <= 2**10:
+            problems.append(f"{name}={show(value)}: must be an integer in [0, 1024]")
+            ok = False
+    value = c["routed_scaling"]
+    if not is_real(value) or value <= 0:
+        problems.append(f"routed_scaling={show(value)}: must be a finite positive number")
+    if c.get("scan_layers") is True:
+        problems.append("scan_layers=true: the stacked layer layout needs layers of one "
+                        "shape, and a LLaDA2 model mixes dense and expert layers "
+                        "(not built yet)")
+    if not ok:
+        return problems
+    E, k, G, g = (c["n_experts"], c["n_experts_per_tok"], c["n_expert_groups"],
+                  c["n_topk_groups"])
+    if E % G:
+        problems.append(f"n_experts={E} is not a multiple of n_expert_groups={G}")
+    elif E // G < 2:
+        problems.append(f"n_experts={E} in n_expert_groups={G}: a group's score is the sum "
+                        "of its two best experts, so each group needs at least 2")
+    elif g > G:
+        problems.append(f"n_topk_groups={g} is more than n_expert_groups={G}")
+    elif k > g * (E // G):
+        problems.append(f"n_experts_per_tok={k}: more than the {g * (E // G)} experts of "
+                        f"the n_topk_groups={g} chosen groups")
+    head_dim, n_layers = c.get("head_dim"), c.get("n_layers")
+    if c["rotary_dim"] % 2:
+        problems.append(f"rotary_dim={c['rotary_dim']}: RoPE needs an even width")
+    if is_int(head_dim) and c["rotary_dim"] > head_dim:
+        problems.append(f"rotary_dim={c['rotary_dim']} is more than head_dim={head_dim}")
+    if is_int(n_layers) and c["first_dense_layers"] > n_layers:
+        problems.append(f"first_dense_layers={c['first_dense_layers']} is more than "
+                        f"n_layers={n_layers}")
     return problems
 
 
@@ -194,6 +275,21 @@ class ModelConfig:
         return jnp.dtype(self.dtype)
 
     @property
+    def rope_dim(self) -> int:
+        """The leading channels of a head that RoPE rotates (all of them here)."""
+        return self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts model (`LLaDA2Config`)."""
+        return False
+
+    def moe_layer(self, index: int) -> bool:
+        """Whether layer `index` has routed experts instead of a dense SwiGLU."""
+        del index
+        return False
+
+    @property
     def jnp_param_dtype(self):
         return jnp.dtype(self.param_dtype)
 
@@ -215,6 +311,8 @@ class ModelConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"the model config is a {type(data).__name__}, not an object")
+        if cls is ModelConfig and data.get("family") == "llada2":
+            cls = LLaDA2Config
         fields = dataclasses.fields(cls)
         known = {f.name for f in fields}
         unknown = sorted(str(k) for k in set(data) - known)
@@ -228,6 +326,53 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LLaDA2Config(ModelConfig):
+    """A LLaDA2 mixture-of-experts model (Hugging Face model_type `llada2_moe`): the
+    ModelConfig fields (family "llada2"; `mlp_hidden` is the dense layers' SwiGLU width)
+    plus the experts, routing and partial rotary ones. Every LLaDA2 attention has a fused
+    q/k/v projection and a per-head RMSNorm of queries and keys (QK-norm). See
+    docs/llada2.md.
+
+    Attributes:
+      n_experts: routed experts of a mixture-of-experts layer.
+      n_experts_per_tok: experts chosen per token (top-k).
+      moe_hidden: SwiGLU width of one routed expert.
+      n_shared_experts: shared experts, run on every token, fused into one SwiGLU of
+        width moe_hidden * n_shared_experts (0: none).
+      first_dense_layers: the first layers have a dense SwiGLU instead of experts
+        (`first_k_dense_replace`).
+      n_expert_groups, n_topk_groups: group-limited routing: the experts are split into
+        n_expert_groups consecutive groups, each scored by the sum of its two best
+        (bias-corrected) expert scores, and only the n_topk_groups best groups' experts
+        may be chosen.
+      routed_scaling: the normalised top-k weights are multiplied by it.
+      rotary_dim: the leading channels of each head that RoPE rotates (partial rotary:
+        head_dim * partial_rotary_factor); the rest pass unrotated.
+    """
+
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_hidden: int = 0
+    n_shared_experts: int = 0
+    first_dense_layers: int = 0
+    n_expert_groups: int = 1
+    n_topk_groups: int = 1
+    routed_scaling: float = 1.0
+    rotary_dim: int = 0
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return True
+
+    def moe_layer(self, index: int) -> bool:
+        return index >= self.first_dense_layers
 
 
 # --------------------------------------------------------------------------- presets
@@ -281,6 +426,33 @@ def tiny_dream(vocab_size: int = 64) -> ModelConfig:
         pad_token_id=vocab_size - 2, max_seq_len=256)
 
 
+def llada2_mini() -> LLaDA2Config:
+    """inclusionAI/LLaDA2.0-mini (its published config.json; docs/llada2.md). The
+    config names no mask, end-of-sequence or end-of-turn token: the mask id 156895 and
+    the end-of-sequence id 156892 (also its pad_token_id) are those of the authors'
+    generate code."""
+    return LLaDA2Config(
+        family="llada2", vocab_size=157184, d_model=2048, n_layers=20, n_heads=16,
+        n_kv_heads=4, head_dim=128, mlp_hidden=5120, rope_theta=600000.0, norm_eps=1e-6,
+        qkv_bias=False, tie_embeddings=False, logit_shift=False, mask_token_id=156895,
+        eos_token_id=156892, pad_token_id=156892, eot_token_id=None, max_seq_len=32768,
+        dtype="bfloat16", param_dtype="bfloat16", block_causal=True, n_experts=256,
+        n_experts_per_tok=8, moe_hidden=512, n_shared_experts=1, first_dense_layers=1,
+        n_expert_groups=8, n_topk_groups=4, routed_scaling=2.5, rotary_dim=64)
+
+
+def tiny_llada2(vocab_size: int = 64) -> LLaDA2Config:
+    """A small LLaDA2-shaped config for tests: 3 layers (the first dense), 8 experts in
+    4 groups, top-2 of the best 2 groups, one shared expert, half-rotary heads."""
+    return LLaDA2Config(
+        family="llada2", vocab_size=vocab_size, d_model=32, n_layers=3, n_heads=4,
+        n_kv_heads=2, head_dim=8, mlp_hidden=64, rope_theta=600000.0, norm_eps=1e-6,
+        mask_token_id=vocab_size - 1, eos_token_id=vocab_size - 2,
+        pad_token_id=vocab_size - 2, max_seq_len=256, block_causal=True, n_experts=8,
+        n_experts_per_tok=2, moe_hidden=16, n_shared_experts=1, first_dense_layers=1,
+        n_expert_groups=4, n_topk_groups=2, routed_scaling=2.5, rotary_dim=4)
+
+
 PRESETS = {
     "llada-8b-instruct": llada_8b_instruct,
     "llada-8b-base": llada_8b_base,
@@ -288,6 +460,8 @@ PRESETS = {
     "dream-7b-base": dream_7b_base,
     "tiny-llada-test": tiny_llada,
     "tiny-dream-test": tiny_dream,
+    "llada2-mini": llada2_mini,
+    "tiny-llada2-test": tiny_llada2,
 }
 
 
@@ -302,7 +476,8 @@ def preset(name: str) -> ModelConfig:
 # --------------------------------------------------------------------------- HF configs
 
 def from_hf_config(hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelConfig:
-    """Builds a ModelConfig from a Hugging Face config.json of LLaDA or Dream.
+    """Builds a ModelConfig from a Hugging Face config.json of LLaDA, Dream or LLaDA2
+    (`llada2_moe`, a LLaDA2Config).
 
     Fields that would change the computation and that this library does not implement
     (alibi, biases other than q/k/v, clip_qkv, sliding windows, RoPE scaling, ...) raise
@@ -316,18 +491,21 @@ def from_hf_config(hf: Mapping[str, Any], *, dtype: str | None = None) -> ModelC
       The ModelConfig.
     """
     family = hf_family(hf)
+    if family == "llada2":
+        return _from_llada2(hf, dtype)
     return _from_llada(hf, dtype) if family == "llada" else _from_dream(hf, dtype)
 
 
 # The model_type and model classes of the published checkpoints, matched exactly: relatives
 # with other architectures share name fragments (LLaDA-MoE is "lladamoe" / LLaDAMoEModelLM)
 # and would otherwise be read with the wrong schema and fail on a missing field.
-HF_MODEL_TYPES = {"llada": "llada", "dream": "dream"}
-HF_ARCHITECTURES = {"LLaDAModelLM": "llada", "DreamModel": "dream"}
+HF_MODEL_TYPES = {"llada": "llada", "dream": "dream", "llada2_moe": "llada2"}
+HF_ARCHITECTURES = {"LLaDAModelLM": "llada", "DreamModel": "dream",
+                    "LLaDA2MoeModelLM": "llada2"}
 
 
 def hf_family(hf: Mapping[str, Any]) -> str:
-    """The family ("llada" or "dream") a Hugging Face config.json describes.
+    """The family ("llada", "dream" or "llada2") a Hugging Face config.json describes.
 
     model_type decides (case-insensitively, as Dream writes "Dream"); a config without
     one is recognised by its architectures. Listed architectures must be the family's
@@ -347,8 +525,8 @@ def hf_family(hf: Mapping[str, Any]) -> str:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ConfigError(f"architectures={show(archs)}: expected a list of class names")
     arch_families = {HF_ARCHITECTURES.get(a) for a in archs}
-    expected = ("expected a LLaDA (model_type 'llada', LLaDAModelLM) or Dream "
-                "('Dream', DreamModel) config")
+    expected = ("expected a LLaDA (model_type 'llada', LLaDAModelLM), Dream "
+                "('Dream', DreamModel) or LLaDA2 ('llada2_moe', LLaDA2MoeModelLM) config")
     if not model_type:
         if len(arch_families) == 1 and None not in arch_families:
             return arch_families.pop()
@@ -456,11 +634,11 @@ def _check_ids(f: _Fields, vocab, ids: Mapping[str, Any]) -> None:
             f.problems.append(f"{key}={value}: not an id of the vocabulary [0, {vocab})")
 
 
-def _build(label: str, f: _Fields, **fields) -> ModelConfig:
+def _build(label: str, f: _Fields, cls=None, **fields) -> ModelConfig:
     if f.problems:
         raise ConfigError(f"{label} config: " + "; ".join(f.problems))
     try:
-        return ModelConfig(**fields)
+        return (cls or ModelConfig)(**fields)
     except ConfigError as e:
         raise ConfigError(f"{label} config: {e}") from None
 
@@ -569,3 +747,134 @@ def _from_dream(hf, dtype):
                   rope_theta=rope_theta, norm_eps=norm_eps, qkv_bias=True,
                   tie_embeddings=tie, logit_shift=True, **ids, max_seq_len=max_len,
                   dtype=dt, param_dtype=dt)
+
+
+# Every field of a published llada2_moe config.json and what reading it means. Fields not
+# named here are refused: the converter reads what it knows and does not guess at the rest.
+# Fields that change nothing the forward computes (training, caching, bookkeeping):
+LLADA2_IGNORED = frozenset({
+    "architectures", "auto_map", "model_type", "torch_dtype", "dtype",
+    "transformers_version", "initializer_range", "output_router_logits", "use_cache",
+    "attention_dropout", "embedding_dropout", "output_dropout", "max_window_layers",
+    "mtp_loss_scaling_factor", "bos_token_id", "router_dtype", "sliding_window",
+    "moe_router_enable_expert_bias", "rope_scaling", "use_sliding_window",
+    "num_nextn_predict_layers", "norm_head", "use_qk_norm", "use_qkv_bias", "use_bias",
+    "use_rmsnorm", "score_function", "norm_topk_prob", "hidden_act",
+    "moe_shared_expert_intermediate_size", "rotary_dim", "partial_rotary_factor",
+    "using_split_qkv_in_self_attention",
+})
+# Fields read into the LLaDA2Config.
+LLADA2_READ = frozenset({
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
+    "num_experts_per_tok", "num_shared_experts", "first_k_dense_replace", "n_group",
+    "topk_group", "routed_scaling_factor", "rope_theta", "rms_norm_eps", "vocab_size",
+    "tie_word_embeddings", "max_position_embeddings", "pad_token_id", "eos_token_id",
+    "mask_token_id", "eot_token_id",
+})
+LLADA2_FIELDS = LLADA2_IGNORED | LLADA2_READ
+
+
+def _from_llada2(hf, dtype):
+    f = _Fields(hf)
+    unknown = sorted(str(k) for k in hf if k not in LLADA2_FIELDS)
+    f.fail_if(bool(unknown), f"unknown llada2_moe config fields {unknown[:8]}: not read, "
+              "and refused rather than ignored (they may change the computation)")
+    d_model = f.size("hidden_size", ours="d_model")
+    n_layers = f.size("num_hidden_layers", ours="n_layers")
+    n_heads = f.size("num_attention_heads", ours="n_heads")
+    n_kv = f.size("num_key_value_heads", n_heads, ours="n_kv_heads") if n_heads else None
+    mlp_hidden = f.size("intermediate_size", ours="mlp_hidden")
+    moe_hidden = f.size("moe_intermediate_size", ours="mlp_hidden")
+    vocab = f.size("vocab_size")
+    n_experts = f.size("num_experts")
+    top_k = f.size("num_experts_per_tok")
+    n_group = f.size("n_group")
+    topk_group = f.size("topk_group")
+    if hf.get("head_dim") is not None:
+        head_dim = f.size("head_dim")
+    else:
+        f.fail_if(d_model is not None and n_heads is not None and d_model % n_heads != 0,
+                  f"hidden_size={d_model} is not a multiple of num_attention_heads={n_heads}")
+        head_dim = d_model // n_heads if d_model and n_heads else None
+    shared = hf.get("num_shared_experts")
+    if shared is None or shared == 0:
+        n_shared = 0
+    else:
+        n_shared = f.size("num_shared_experts")
+    first = hf.get("first_k_dense_replace", _ABSENT)
+    if first is _ABSENT or first is None:
+        f.problems.append("missing required field 'first_k_dense_replace'")
+    elif first != 0:
+        first = f.size("first_k_dense_replace")
+    scaling = (f.number("routed_scaling_factor", None)
+               if hf.get("routed_scaling_factor") is not None else
+               f.problems.append("missing required field 'routed_scaling_factor'"))
+    factor = hf.get("partial_rotary_factor", 1.0)
+    rotary_dim = None
+    if not is_real(factor) or not 0 < factor <= 1:
+        f.problems.append(f"partial_rotary_factor={show(factor)}: must be in (0, 1]")
+    elif head_dim is not None:
+        rotary_dim = int(head_dim * factor)  # as the published code computes it
+        f.fail_if(rotary_dim < 2 or rotary_dim % 2 != 0,
+                  f"partial_rotary_factor={factor} gives {rotary_dim} rotary channels of "
+                  f"head_dim={head_dim}: RoPE needs an even, positive width")
+        given = hf.get("rotary_dim")
+        f.fail_if(given is not None and given != rotary_dim,
+                  f"rotary_dim={show(given)} disagrees with head_dim * partial_rotary_factor "
+                  f"= {rotary_dim}, which the published code uses")
+    if n_shared and moe_hidden is not None:
+        given = hf.get("moe_shared_expert_intermediate_size")
+        f.fail_if(given is not None and given != moe_hidden * n_shared,
+                  f"moe_shared_expert_intermediate_size={show(given)} is not "
+                  f"moe_intermediate_size * num_shared_experts = {moe_hidden * n_shared}")
+    # Fields whose other values would change the computation in ways not built here.
+    act = hf.get("hidden_act", "silu")
+    f.fail_if(act != "silu", f"hidden_act={show(act)} is not supported (SwiGLU/silu only)")
+    score = hf.get("score_function", "sigmoid")
+    f.fail_if(score != "sigmoid",
+              f"score_function={show(score)} is not supported (sigmoid routing only)")
+    # The published code normalises the top-k weights whenever top-k > 1 and always
+    # applies the QK-norm, whatever these flags say; a config that says otherwise is
+    # refused rather than read either way.
+    f.fail_if(hf.get("norm_topk_prob", True) is not True,
+              f"norm_topk_prob={show(hf.get('norm_topk_prob'))}: the published code "
+              "normalises the top-k weights; only true is supported")
+    f.fail_if(hf.get("use_qk_norm", True) is not True,
+              f"use_qk_norm={show(hf.get('use_qk_norm'))}: the published code always "
+              "normalises queries and keys; only true is supported")
+    f.fail_if(bool(hf.get("use_qkv_bias")), "use_qkv_bias=true is not supported")
+    f.fail_if(bool(hf.get("use_bias")), "use_bias=true is not supported")
+    f.fail_if(bool(hf.get("norm_head")), "norm_head=true is not supported")
+    f.fail_if(hf.get("use_rmsnorm", True) is not True, "use_rmsnorm=false is not supported")
+    f.fail_if(bool(hf.get("use_sliding_window")), "use_sliding_window=true is not supported")
+    f.fail_if(bool(hf.get("using_split_qkv_in_self_attention")),
+              "using_split_qkv_in_self_attention=true is not supported (fused "
+              "query_key_value only)")
+    f.fail_if(hf.get("rope_scaling") not in (None, {}),
+              f"rope_scaling={show(hf.get('rope_scaling'))} is not supported")
+    f.fail_if(hf.get("num_nextn_predict_layers") not in (None, 0),
+              f"num_nextn_predict_layers={show(hf.get('num_nextn_predict_layers'))}: "
+              "multi-token-prediction layers are not supported")
+    bias_flag = hf.get("moe_router_enable_expert_bias", True)
+    f.fail_if(not isinstance(bias_flag, bool),
+              f"moe_router_enable_expert_bias={show(bias_flag)}: must be true or false")
+    rope_theta = f.number("rope_theta", 10000.0)
+    norm_eps = f.number("rms_norm_eps", 1e-6)
+    tie = f.flag("tie_word_embeddings")
+    ids = {"mask_token_id": f.token("mask_token_id", 156895),
+           "eos_token_id": f.token("eos_token_id", hf.get("pad_token_id", 156892))}
+    ids["pad_token_id"] = f.token("pad_token_id", ids["eos_token_id"])
+    ids["eot_token_id"] = f.token("eot_token_id")
+    _check_ids(f, vocab, ids)
+    max_len = f.size("max_position_embeddings", 32768, ours="max_seq_len")
+    dt = _dtype_of(hf, dtype)
+    return _build("LLaDA2", f, LLaDA2Config,
+                  family="llada2", vocab_size=vocab, d_model=d_model, n_layers=n_layers,
+                  n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, mlp_hidden=mlp_hidden,
+                  rope_theta=rope_theta, norm_eps=norm_eps, qkv_bias=False,
+                  tie_embeddings=tie, logit_shift=False, **ids, max_seq_len=max_len,
+                  dtype=dt, param_dtype=dt, block_causal=True, n_experts=n_experts,
+                  n_experts_per_tok=top_k, moe_hidden=moe_hidden, n_shared_experts=n_shared,
+                  first_dense_layers=first, n_expert_groups=n_group, n_topk_groups=topk_group,
+                  routed_scaling=scaling, rotary_dim=rotary_dim)

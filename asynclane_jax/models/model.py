@@ -1,4 +1,5 @@
-"""The diffusion LM in Flax NNX: one module for both LLaDA and Dream.
+"""The diffusion LM in Flax NNX: one module for LLaDA, Dream and LLaDA2 (mixture of
+experts; its differences are listed in docs/llada2.md).
 
 Both families are pre-norm transformers with RMSNorm, RoPE (rotate-half convention),
 bidirectional grouped-query attention and a SwiGLU MLP; they differ in tensor names
@@ -21,7 +22,7 @@ import numpy as np
 from flax import nnx, struct
 
 from asynclane_jax import sharding
-from asynclane_jax.models import quantize
+from asynclane_jax.models import moe, quantize
 from asynclane_jax.models.config import ModelConfig
 
 
@@ -94,9 +95,9 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs, axes=("embed",)):
         del rngs
-        self.scale = _param(jnp.ones((dim,), cfg.jnp_param_dtype), ("embed",))
+        self.scale = _param(jnp.ones((dim,), cfg.jnp_param_dtype), axes)
         self.eps = cfg.norm_eps
         self.dtype = cfg.jnp_dtype
 
@@ -134,6 +135,15 @@ def apply_rope(x, cos, sin):
     x1, x2 = x32[..., : h // 2], x32[..., h // 2:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def apply_partial_rope(x, cos, sin):
+    """x [b, t, n, h] with its leading 2 * cos.shape[-1] channels rotated by
+    `apply_rope` and the rest passed through (partial rotary, LLaDA2)."""
+    r = 2 * cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
 
 def rope(x, positions, theta: float):
@@ -302,11 +312,40 @@ class Attention(nnx.Module):
         return self.o_proj(o.reshape(b, t, -1))
 
 
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+class FusedQKVAttention(nnx.Module):
+    """LLaDA2's attention: one q/k/v projection whose output is H query heads, then K
+    key heads, then K value heads (the published `query_key_value`), a per-head RMSNorm
+    of queries and keys (QK-norm, before RoPE), and RoPE on each head's leading
+    `cfg.rope_dim` channels only (partial rotary)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, m = cfg.d_model, cfg.mlp_hidden
+        d, H, K, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv_proj = Linear(d, (H + 2 * K) * h, ("embed", "heads"), bias=False, cfg=cfg,
+                               rngs=rngs, int8_out_in=True, float_barrier=True)
+        self.q_norm = RMSNorm(h, cfg=cfg, rngs=rngs, axes=("head_dim",))
+        self.k_norm = RMSNorm(h, cfg=cfg, rngs=rngs, axes=("head_dim",))
+        self.o_proj = Linear(H * h, d, ("heads", "embed"), bias=False, cfg=cfg, rngs=rngs)
+        self.cfg = cfg
+
+    def qkv(self, x, rot):
+        """As `Attention.qkv`; rot = `rope_tables` of width cfg.rope_dim."""
+        H, K, h = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x).reshape(b, t, H + 2 * K, h)
+        q, k, v = qkv[:, :, :H], qkv[:, :, H:H + K], qkv[:, :, H + K:]
+        q, k = self.q_norm(q), self.k_norm(k)
+        return apply_partial_rope(q, *rot), apply_partial_rope(k, *rot), v
+
+    def out(self, o):
+        b, t = o.shape[:2]
+        return self.o_proj(o.reshape(b, t, -1))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), of width `hidden` (default cfg.mlp_hidden)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, hidden: int | None = None):
+        d, m = cfg.d_model, hidden or cfg.mlp_hidden
         self.gate_proj = Linear(d, m, ("embed", "mlp"), bias=False, cfg=cfg, rngs=rngs)
         self.up_proj = Linear(d, m, ("embed", "mlp"), bias=False, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(m, d, ("mlp", "embed"), bias=False, cfg=cfg, rngs=rngs)
@@ -315,12 +354,62 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Block(nnx.Module):
+class Router(nnx.Module):
+    """The gate of a mixture-of-experts layer: kernel [d, E] and the stored selection
+    bias expert_bias [E] (`moe.route`)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        E = cfg.n_experts
+        self.kernel = _param(0.02 * jax.random.normal(rngs.params(), (cfg.d_model, E),
+                                                      cfg.jnp_param_dtype), ("embed", None))
+        self.expert_bias = _param(jnp.zeros((E,), cfg.jnp_param_dtype), (None,))
+
+
+class Experts(nnx.Module):
+    """The routed experts' SwiGLU kernels, stacked: gate_proj, up_proj [E, d, m] and
+    down_proj [E, m, d] (each expert's [in, out] kernel at its index)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
+        dt = cfg.jnp_param_dtype
+        init = lambda shape: 0.02 * jax.random.normal(rngs.params(), shape, dt)
+        self.gate_proj = _param(init((E, d, m)), (None, "embed", "mlp"))
+        self.up_proj = _param(init((E, d, m)), (None, "embed", "mlp"))
+        self.down_proj = _param(init((E, m, d)), (None, "mlp", "embed"))
+
+
+class SparseMoE(nnx.Module):
+    """A mixture-of-experts feed-forward layer (LLaDA2): every token goes through its
+    top-k routed experts (`moe.route`, `moe.routed_experts`) and the shared expert."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = Router(cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        self.shared_experts = (MLP(cfg, rngs=rngs, hidden=cfg.moe_hidden * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+        self.cfg = cfg
+
+    def __call__(self, x):
+        cfg = self.cfg
+        flat = x.reshape(-1, x.shape[-1])
+        experts, weights = moe.route(
+            flat, self.gate.kernel[...], self.gate.expert_bias[...],
+            top_k=cfg.n_experts_per_tok, n_groups=cfg.n_expert_groups,
+            topk_groups=cfg.n_topk_groups, scaling=cfg.routed_scaling)
+        y = moe.routed_experts(flat, experts, weights, self.experts.gate_proj[...],
+                               self.experts.up_proj[...], self.experts.down_proj[...],
+                               cfg.jnp_dtype).reshape(x.shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe_layer: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = (FusedQKVAttention if cfg.is_moe else Attention)(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = SparseMoE(cfg, rngs=rngs) if moe_layer else MLP(cfg, rngs=rngs)
 
     def qkv(self, x, rot):
         """Queries, keys and values of x [b, Q, d] (after RoPE by rot = `rope_tables`'
@@ -526,7 +615,9 @@ def check_call(tokens, positions, key_mask, cache, write_index, logits_index) ->
 
 
 class DiffusionLM(nnx.Module):
-    """A LLaDA- or Dream-architecture mask-diffusion language model."""
+    """A LLaDA-, Dream- or LLaDA2-architecture mask-diffusion language model (LLaDA2:
+    fused q/k/v with QK-norm and partial rotary, and mixture-of-experts layers after
+    the first `first_dense_layers`; docs/llada2.md)."""
 
     # One of ATTENTION_IMPLEMENTATIONS; set it on a model to choose (e.g. "xla" to keep
     # a GPU off cuDNN's kernel). "auto": cuDNN's fused kernel on GPUs in 16-bit floats.
@@ -536,7 +627,7 @@ class DiffusionLM(nnx.Module):
         self.cfg = cfg
         self.embed = _param(0.02 * jax.random.normal(
             rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.jnp_param_dtype), ("vocab", "embed"))
-        blocks = [Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)]
+        blocks = [Block(cfg, rngs=rngs, moe_layer=cfg.moe_layer(i)) for i in range(cfg.n_layers)]
         # The same random blocks in either layout: a stacked model is the unrolled one's
         # parameters stacked, for one seed.
         self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
@@ -631,7 +722,7 @@ class DiffusionLM(nnx.Module):
         rows = jnp.arange(tokens.shape[0])[:, None]
         kw = dict(key_mask=key_mask, q_block=q_block, k_block=k_block,
                   implementation=self.attention_implementation)
-        rot = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rot = rope_tables(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         # The last layer's output is read only at logits_index: past its K/V (written
         # from its input), it runs on those rows alone.
         # (A model without layers, costs.loop's measuring copy, gathers them below.)
