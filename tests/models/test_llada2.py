@@ -9,6 +9,7 @@ independent PyTorch reference of tests/models/test_llada2_reference.py: logits w
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import test_llada2_reference as R
 import torch
 from flax import nnx
 
+from asynclane_jax.cli import main
 from asynclane_jax.models import (
     ConfigError,
     ModelConfig,
@@ -65,12 +67,15 @@ LLADA2_MINI_BYTES = 32_511_286_784
 
 # --------------------------------------------------------------------------- config
 
-def test_mini_preset_has_the_published_size():
+def test_mini_preset_has_the_published_size(capsys):
     cfg = preset("llada2-mini")
     stats = param_stats(cfg)
     assert stats["params"] * 2 == LLADA2_MINI_BYTES
     assert n_params(cfg.to_dict()) == stats["params"]
     assert sum(np.prod(s) for s in expected_sources(cfg).values()) == stats["params"]
+    assert main(["info", "--preset", "llada2-mini", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == stats["params"] and out["config"]["n_experts"] == 256
 
 
 def test_published_mini_config_reads_as_the_preset():
@@ -309,3 +314,21 @@ def test_the_check_is_sensitive_to_one_expert_weight():
     changed[f"model.layers.2.mlp.experts.{used}.down_proj.weight"][0, 0] += 0.5
     got = np.asarray(forward(model, jnp.asarray(tokens)))
     assert np.max(np.abs(got - R.logits(hf, changed, tokens))) > 10 * TOL
+
+
+def test_cached_and_row_subset_calls_equal_the_full_forward():
+    """The KV-cache path (fresh K/V written, then attended) and logits_index (the last
+    layer on some rows only) run the fused-QKV attention and the expert layers as the
+    full forward does."""
+    hf, _, model = _build("random")
+    tokens = jnp.asarray(tokens_for(hf, seed=7))
+    full = np.asarray(forward(model, tokens))
+    _, cache = nnx.jit(lambda m, t: m(t, return_kv=True))(model, tokens)
+    cols = jnp.asarray(np.array([[3, 9], [0, 11]], np.int32))
+    cached, _ = nnx.jit(lambda m, t, p, c: m.forward_cached(t, p, p, c))(
+        model, jnp.take_along_axis(tokens, cols, axis=1), cols, cache)
+    np.testing.assert_allclose(np.asarray(cached), np.take_along_axis(
+        full, np.asarray(cols)[..., None], axis=1), rtol=0, atol=TOL)
+    rows = np.asarray(nnx.jit(lambda m, t, i: m(t, logits_index=i))(model, tokens, cols))
+    np.testing.assert_allclose(rows, np.take_along_axis(full, np.asarray(cols)[..., None],
+                                                        axis=1), rtol=0, atol=TOL)
