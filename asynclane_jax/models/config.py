@@ -807,9 +807,11 @@ def _from_llada2(hf, dtype):
         f.problems.append("missing required field 'first_k_dense_replace'")
     elif first != 0:
         first = f.size("first_k_dense_replace")
-    scaling = (f.number("routed_scaling_factor", None)
-               if hf.get("routed_scaling_factor") is not None else
-               f.problems.append("missing required field 'routed_scaling_factor'"))
+    scaling = None
+    if hf.get("routed_scaling_factor") is None:
+        f.problems.append("missing required field 'routed_scaling_factor'")
+    else:
+        scaling = f.number("routed_scaling_factor", None)
     factor = hf.get("partial_rotary_factor", 1.0)
     rotary_dim = None
     if not is_real(factor) or not 0 < factor <= 1:

@@ -222,18 +222,24 @@ def group_limited_tensors(hf, seed):
     return t
 
 
-CASES = {
-    "random": lambda hf: R.random_tensors(hf, seed=1),
-    "ties": lambda hf: tied_tensors(hf, seed=2),
-    "group-limit": lambda hf: group_limited_tensors(hf, seed=3),
+CASES = {  # name: (config.json overrides, weights)
+    "random": ({}, lambda hf: R.random_tensors(hf, seed=1)),
+    "ties": ({}, lambda hf: tied_tensors(hf, seed=2)),
+    "group-limit": ({}, lambda hf: group_limited_tensors(hf, seed=3)),
+    # every layer routed, no shared expert, one group (no group limit), top-1 (weights
+    # not normalised), tied head, full rotary
+    "variant": (dict(first_k_dense_replace=0, num_shared_experts=0, n_group=1, topk_group=1,
+                     num_experts_per_tok=1, tie_word_embeddings=True,
+                     partial_rotary_factor=1.0), lambda hf: R.random_tensors(hf, seed=4)),
 }
 _BUILT: dict = {}
 
 
 def _build(name):
     if name not in _BUILT:
-        hf = R.hf_config()
-        tensors = CASES[name](hf)
+        overrides, weights = CASES[name]
+        hf = R.hf_config(**overrides)
+        tensors = weights(hf)
         _BUILT[name] = (hf, tensors, ours_from(hf, tensors))
     return _BUILT[name]
 
