@@ -37,8 +37,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 TOL = 1e-4
 
-# inclusionAI/LLaDA2.0-mini's config.json as published copies of it show it (the
-# fields that decide the architecture were checked against several; see docs/llada2.md).
+# inclusionAI/LLaDA2.0-mini's config.json: the fields and values that copies of it in
+# public code show (docs/llada2.md says what was and was not seen).
 LLADA2_MINI = {
     "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
     "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
@@ -53,11 +53,16 @@ LLADA2_MINI = {
     "num_shared_experts": 1, "output_router_logits": False, "pad_token_id": 156892,
     "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06, "rope_theta": 600000,
     "routed_scaling_factor": 2.5, "score_function": "sigmoid", "tie_word_embeddings": False,
-    "topk_group": 4, "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False,
-    "vocab_size": 157184, "rope_scaling": None, "use_cache": True,
-    "transformers_version": "4.56.2", "attention_dropout": 0.0, "embedding_dropout": 0.0,
-    "output_dropout": 0.0, "max_window_layers": 20, "rotary_dim": 64,
-    "num_nextn_predict_layers": 0, "router_dtype": "fp32",
+    "topk_group": 4, "use_qk_norm": True, "use_qkv_bias": False, "vocab_size": 157184,
+}
+# Other fields the authors' modelling code reads or its config class may write, at the
+# values that leave the computation as published: read without complaint.
+OTHER_FIELDS = {
+    "use_bias": False, "rope_scaling": None, "use_cache": True, "attention_dropout": 0.0,
+    "embedding_dropout": 0.0, "output_dropout": 0.0, "max_window_layers": 20,
+    "rotary_dim": 64, "num_nextn_predict_layers": 0, "router_dtype": "fp32",
+    "use_rmsnorm": True, "use_sliding_window": False, "torch_dtype": "bfloat16",
+    "moe_shared_expert_intermediate_size": 512, "transformers_version": "x",
 }
 
 # The size of the published LLaDA2.0-mini safetensors index ("total_size"): every tensor
@@ -81,6 +86,8 @@ def test_mini_preset_has_the_published_size(capsys):
 def test_published_mini_config_reads_as_the_preset():
     assert set(LLADA2_MINI) <= LLADA2_FIELDS  # every published field name is mapped
     assert from_hf_config(LLADA2_MINI) == preset("llada2-mini")
+    assert set(OTHER_FIELDS) <= LLADA2_FIELDS
+    assert from_hf_config({**LLADA2_MINI, **OTHER_FIELDS}) == preset("llada2-mini")
 
 
 def test_tiny_reference_config_reads_as_the_tiny_preset():
