@@ -757,6 +757,10 @@ LLADA2_IGNORED = frozenset({
     "transformers_version", "initializer_range", "output_router_logits", "use_cache",
     "attention_dropout", "embedding_dropout", "output_dropout", "max_window_layers",
     "mtp_loss_scaling_factor", "bos_token_id", "router_dtype", "sliding_window",
+})
+# Fields accepted only at the value the published code implements (or that must agree
+# with what it derives), refused otherwise (`_from_llada2`):
+LLADA2_CHECKED = frozenset({
     "moe_router_enable_expert_bias", "rope_scaling", "use_sliding_window",
     "num_nextn_predict_layers", "norm_head", "use_qk_norm", "use_qkv_bias", "use_bias",
     "use_rmsnorm", "score_function", "norm_topk_prob", "hidden_act",
@@ -772,7 +776,7 @@ LLADA2_READ = frozenset({
     "tie_word_embeddings", "max_position_embeddings", "pad_token_id", "eos_token_id",
     "mask_token_id", "eot_token_id",
 })
-LLADA2_FIELDS = LLADA2_IGNORED | LLADA2_READ
+LLADA2_FIELDS = LLADA2_IGNORED | LLADA2_CHECKED | LLADA2_READ
 
 
 def _from_llada2(hf, dtype):
