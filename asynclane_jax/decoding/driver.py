@@ -111,6 +111,10 @@ def check_plan(schedule: Schedule, plan: Plan, b: int, where: str = "plan") -> N
         chex.assert_shape(plan.logits_at, (b, None),
                           custom_message=f"{msg}.logits_at is [b, n]")
         chex.assert_type(plan.logits_at, int, custom_message=f"{msg}.logits_at holds indices")
+    if plan.full_read is not None:
+        chex.assert_shape(plan.full_read, (b, None),
+                          custom_message=f"{msg}.full_read is [b, m]")
+        chex.assert_type(plan.full_read, int, custom_message=f"{msg}.full_read holds columns")
 
 
 def check_update(schedule: Schedule, canvas, new_canvas, state, new_state) -> None:
@@ -208,7 +212,8 @@ class ModelCalls:
     def no_logits(self, plan: Plan):
         """Zero logits of a call's shape [b, n, V] float32 (n: the columns read), the
         initial value `branch` needs."""
-        return jnp.zeros(self.read_columns(plan).shape + (self.vocab,), jnp.float32)
+        return jnp.zeros((plan.positions.shape[0], self.read_width(plan), self.vocab),
+                         jnp.float32)
 
     def count(self, st: DecodeState, shape: CallShape, serve, attended):
         """The state with one call of `shape` counted; attended [b]: key columns each
@@ -220,13 +225,36 @@ class ModelCalls:
             row_shape_keys=st.row_shape_keys.at[:, i].add(
                 jnp.where(serve, attended, 0).astype(jnp.int32)))
 
-    def read_columns(self, plan: Plan):
-        """[b, n] canvas columns whose outputs the schedule reads (T: none)."""
+    def query_reads(self, plan: Plan):
+        """[b, n] canvas columns whose outputs a call of the plan's queries reads (T:
+        none)."""
         if plan.logits_at is None:
             return plan.positions
         Q = plan.positions.shape[1]
         cols_at = jnp.take_along_axis(plan.positions, jnp.minimum(plan.logits_at, Q - 1), 1)
         return jnp.where(plan.logits_at < Q, cols_at, self.T)
+
+    def read_width(self, plan: Plan) -> int:
+        """The width of the call's logits: the queries' reads, or with `full_read` the
+        wider of the two kinds."""
+        n = self.query_reads(plan).shape[1]
+        return n if plan.full_read is None else max(n, plan.full_read.shape[1])
+
+    def pad_reads(self, a, plan: Plan, value):
+        """a [b, k, ...] padded along axis 1 to `read_width` with value."""
+        k = self.read_width(plan) - a.shape[1]
+        if not k:
+            return a
+        return jnp.pad(a, [(0, 0), (0, k)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
+
+    def read_columns(self, plan: Plan):
+        """[b, n] canvas columns whose outputs the schedule reads (T: none): the
+        queries', or with `full_read` the full forward's where the plan is full."""
+        cols = self.query_reads(plan)
+        if plan.full_read is None:
+            return cols
+        return jnp.where(plan.full, self.pad_reads(plan.full_read, plan, self.T),
+                         self.pad_reads(cols, plan, self.T))
 
     def full_over(self, st: DecodeState, plan: Plan, serve):
         """A full forward over the canvas: every column (re-)encoded, logits read at
@@ -330,6 +358,7 @@ class ModelCalls:
         logits, cache = self.model.forward(
             tokens_q, pos_q, key_mask=self.key_mask, cache=st.cache, write_index=write,
             logits_index=logits_at, block_ids=self.block_ids)
+        logits = self.pad_reads(logits, plan, 0.0)  # as wide as a full forward's reads
         b, Q = plan.positions.shape
         n_read = Q if plan.logits_at is None else plan.logits_at.shape[1]
         shape = CallShape("cached", b, Q, T, n_read, True, T)

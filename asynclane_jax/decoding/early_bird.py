@@ -68,12 +68,10 @@ blocks of fallback_length on a LLaDA model (tests/decoding/test_early_bird_cache
 logit-shifted (Dream) model it is not, by design: Fast-dLLM's Dream code commits only
 the block's first column at the refresh, because its cached window does not predict it.
 
-Query width, today: the driver's Plan has one static query count Q for full and cached
-calls alike, and the refresh must read all G generated positions' logits for the LBS, so
-Q = G: a cached call feeds the block's (at most max_block) columns padded to G with
-unused slots (T). The tokens are the dual cache's; the cost of a cached call is that of
-G queries, not max_block, until the driver lets a full call read more columns than a
-cached call queries.
+Query width: a cached call queries max_block columns (the block's members, then unused
+slots), while a refresh reads all G generated positions' logits for the LBS
+(`Plan.full_read`: a full forward encodes every column anyway, and reads those), so a
+cached call costs max_block queries, not G.
 """
 
 from __future__ import annotations
@@ -296,10 +294,10 @@ class EarlyBirdSchedule(Schedule):
         return min(self.max_block, self.gen_length) if self.uses_cache else self.gen_length
 
     def query_size(self) -> int:
-        """Q of every call: G (a refresh reads every generated position; the driver's Q
-        is one for full and cached calls, so the cached calls' block columns are padded
-        to G; module docstring)."""
-        return self.gen_length
+        """Q of every call: G without a cache (every call a full forward reading every
+        generated position); max_block with cache=dual (a cached call queries the
+        block; a refresh reads all G through `Plan.full_read`)."""
+        return self.width
 
     @property
     def needs_routers(self) -> bool:
@@ -391,13 +389,14 @@ class EarlyBirdSchedule(Schedule):
         return jnp.broadcast_to(cols, (ctx.batch, self.gen_length))
 
     def _block_queries(self, ctx: Context, block):
-        """[b, G] the columns a cached call queries: each member of the row's block
-        (minus the shift, so the member is predicted), in position order, then T."""
-        G = self.gen_length
-        order = jnp.argsort((~block).astype(jnp.int32), axis=-1, stable=True)
+        """[b, width] the columns a cached call queries: each member of the row's block
+        (minus the shift, so the member is predicted), in position order, then T (a
+        block has at most `width` members)."""
+        W = self.width
+        order = jnp.argsort((~block).astype(jnp.int32), axis=-1, stable=True)[:, :W]
         members = jnp.sum(block, axis=-1, keepdims=True)
         cols = ctx.prompt_len + order.astype(jnp.int32) - ctx.shift
-        return jnp.where(jnp.arange(G)[None, :] < members, cols, ctx.length).astype(jnp.int32)
+        return jnp.where(jnp.arange(W)[None, :] < members, cols, ctx.length).astype(jnp.int32)
 
     def plan(self, ctx: Context, canvas, state, live) -> Plan:
         # Every generated column is predicted (a logit-shifted model: one column earlier).
@@ -410,8 +409,8 @@ class EarlyBirdSchedule(Schedule):
         gen = canvas[:, ctx.prompt_len:]
         need = live & ~jnp.any(state.block & (gen == ctx.mask_id), axis=-1)
         refresh = jnp.any(need)
-        return Plan(positions=jnp.where(refresh, full_q, self._block_queries(ctx, state.block)),
-                    full=refresh, serve=jnp.where(refresh, need, live))
+        return Plan(positions=self._block_queries(ctx, state.block), full=refresh,
+                    serve=jnp.where(refresh, need, live), full_read=full_q)
 
     def decide(self, ctx: Context, canvas, state: EarlyBirdState, out: CallOutput, key):
         """`update`, plus what the routers read (for decode traces).

@@ -59,6 +59,13 @@ class Plan:
     # queries (e.g. a first call that encodes a long prefix) computes its output head
     # only where it is read.
     logits_at: jax.Array | None = None
+    # [b, m] int32 or None: the canvas columns whose outputs a full forward reads (T: none),
+    # where they differ from the queries' (Early-Bird's dual cache: every generated column
+    # at a refresh, whose logits choose the block; the block's own in a cached call). A
+    # full forward encodes every column whatever the queries, so this changes only what it
+    # reads; the call's logits are then max(m, n) wide, the narrower kind padded. None:
+    # a full forward reads what a cached call would.
+    full_read: jax.Array | None = None
 
 
 @struct.dataclass

@@ -76,7 +76,7 @@ def test_plan_refreshes_rows_that_need_a_block_and_queries_the_block_otherwise()
         plan = sched.plan(ctx, canvas, state, live)
         # No row has a block yet: a refresh of both, every generated column predicted.
         assert bool(plan.full) and np.asarray(plan.serve).all()
-        np.testing.assert_array_equal(plan.positions[0], P + np.arange(G) - shift)
+        np.testing.assert_array_equal(plan.full_read[0], P + np.arange(G) - shift)
         # Row 0 gets the block 2, 3, 7 (4..6 committed); row 1's block is resolved.
         block = np.zeros((2, G), bool)
         block[0, [2, 3, 7]] = True
@@ -92,6 +92,11 @@ def test_plan_refreshes_rows_that_need_a_block_and_queries_the_block_otherwise()
         assert not bool(plan.full) and np.asarray(plan.serve).tolist() == [True, False]
         want = [P + j - shift for j in (2, 3, 7)] + [P + G] * (G - 3)
         assert np.asarray(plan.positions[0]).tolist() == want
+        # The cached query width is max_block (a refresh still reads all G columns).
+        narrow = _sched(max_block=4)
+        plan = narrow.plan(ctx, jnp.asarray(canvas), state, jnp.asarray([True, False]))
+        assert np.asarray(plan.positions[0]).tolist() == want[:3] + [P + G]
+        assert plan.full_read.shape == (2, G) and narrow.query_size() == 4
 
 
 def test_blocks_are_cut_to_max_block_with_the_cache_only():
@@ -166,13 +171,15 @@ def _restated(model, prompt, *, gen_length, block, threshold=0.9):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_without_routers_it_is_dual_cache_threshold_decoding(family):
-    """lbs=false lps=false cache=dual (blocks of 32, threshold 0.9): every row of a batch
-    of three prompts equals the restatement at batch 1, calls included; on LLaDA it is
-    also Fast-dLLM's cache=dual decoding, token for token and call for call."""
+    """lbs=false lps=false cache=dual (blocks of 32, max_block 32, threshold 0.9): every
+    row of a batch of three prompts equals the restatement at batch 1, calls included;
+    on LLaDA it is also Fast-dLLM's cache=dual decoding, token for token and call for
+    call."""
     model = ref.make_model(family, lm_scale=ref.LM_SCALE_THRESHOLD[family])
     prompts = ref.make_prompts(model.cfg.vocab_size)
     eb = dict(sampler="eb", gen_length=GEN, lbs=False, lps=False, cache="dual",
-              fallback_length=BLOCK, threshold=0.9)
+              fallback_length=BLOCK, threshold=0.9, max_block=BLOCK)
+    # max_block < GEN: cached calls query BLOCK columns, refreshes read all GEN.
     res = generate(model, prompts, **eb)
     tokens = np.asarray(res.tokens)
     several = False
