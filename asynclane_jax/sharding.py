@@ -8,7 +8,9 @@ axes:
   data    rows of the batch (replicated weights);
   fsdp    rows of the batch, and the weights' `embed` dimension (gathered per layer);
   tensor  attention heads, the MLP's hidden units and the vocabulary (Megatron-style:
-          one all-reduce after attention and one after the MLP per layer).
+          one all-reduce after attention and one after the MLP per layer), and the
+          experts of a mixture-of-experts layer (expert parallelism on the same axis:
+          see "Mixture of experts" below).
 
 The table is adapted to a model and a mesh by `rules_for`:
   * attention heads are only ever split whole. When the query heads do not divide by the
@@ -20,6 +22,22 @@ The table is adapted to a model and a mesh by `rules_for`:
     experiments/results/compile/memory-8b.md;
   * any other dimension the mesh axes do not divide (a 159-token vocabulary on 8 chips)
     is replicated rather than refused.
+
+Mixture of experts (LLaDA2, `models.model.SparseMoE`). The mesh has no separate expert
+axis: the logical name `expert` (the leading axis E of the stacked expert kernels
+[E, d, m] / [E, m, d]) maps to `tensor`, so a tensor axis of n chips holds E/n whole
+experts per chip, and their `mlp` dimension, whose mesh axis the expert axis already
+takes, is not split further (each chip holds its experts whole; `embed` still follows
+fsdp). The router ([d, E] and the bias [E]) and the shared expert are placed as a
+dense layer's (router replicated, shared expert split on `mlp`). The model stores the
+expert axis unnamed; `param_shardings` names it (`logical_names`). The fused q/k/v
+kernel of LLaDA2's attention ([d, (H + 2K) * h], H query heads then K key then K value
+heads) is named `heads` by the model, but cutting its columns on the tensor axis does not
+give each chip its own query heads (the slices straddle the q / k / v boundaries), so it
+is renamed `qkv_heads`, replicated by default: the projection is computed on every chip
+of the tensor axis and the output projection `o_proj` is split by heads as in the dense
+models. Put ("expert", None) or ("qkv_heads", "tensor") in a rules table to change
+either.
 
 `ShardingPlan` binds a mesh and rules; `use(plan)` makes it the plan that
 `constrain` applies while a decode is traced (no plan: `constrain` does nothing, and a
@@ -50,6 +68,8 @@ RULES: Rules = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
+    ("expert", "tensor"),
+    ("qkv_heads", None),
     ("length", None),
     ("head_dim", None),
     ("layers", None),
@@ -188,6 +208,37 @@ def _fit(axes, dim: int, mesh: Mesh, taken: set):
     return axes[0] if len(axes) == 1 else axes
 
 
+EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # under a SparseMoE's `experts`
+LAYER_AXIS = "layers"  # a stacked layer layout's leading name (models.model.LAYER_AXIS)
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                 for k in path)
+
+
+def logical_names(path, names):
+    """The logical names a parameter is placed by: the names it carries, except
+      * the stacked expert kernels (`.../experts/{gate,up,down}_proj`, [E, ...] or
+        [L, E, ...]), whose unnamed expert axis is named `expert`;
+      * the fused q/k/v kernel of LLaDA2's attention (`.../attn/qkv_proj/kernel`, and
+        its int8 `scale`), whose `heads` is `qkv_heads` (see the module docstring).
+    None when the parameter carries no names.
+    """
+    if names is None:
+        return None
+    names = tuple(names)
+    keys = _path_names(path)
+    if len(keys) >= 2 and keys[-2] == "experts" and keys[-1] in EXPERT_KERNELS:
+        i = 1 if names[:1] == (LAYER_AXIS,) else 0
+        if i < len(names) and names[i] is None:
+            names = names[:i] + ("expert",) + names[i + 1:]
+    elif len(keys) >= 3 and keys[-3:-1] == ("attn", "qkv_proj") and \
+            keys[-1] in ("kernel", "scale"):
+        names = tuple("qkv_heads" if n == "heads" else n for n in names)
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     """A mesh and the rules that place arrays on it (hashable: part of compile keys)."""
@@ -227,12 +278,20 @@ class ShardingPlan:
         that does not divide its dimension is dropped."""
         with nnx.logical_axis_rules(self.rules):
             specs = nnx.get_partition_spec(state)
+        table = dict(self.rules)
 
-        def one(v, spec):  # a parameter without names is replicated
-            axes = tuple(spec.get_value()) or (None,) * len(v.shape)
+        def one(path, v, spec):  # a parameter without names is replicated
+            names = v.get_metadata().get("out_sharding") if hasattr(v, "get_metadata") \
+                else None
+            renamed = logical_names(path, names)
+            if renamed is not None and tuple(renamed) != tuple(names):
+                axes = tuple(None if n is None else table.get(n) for n in renamed)
+            else:
+                axes = tuple(spec.get_value()) or (None,) * len(v.shape)
             return v.replace(NamedSharding(self.mesh, self._fitted(axes, v.shape)))
 
-        return jax.tree.map(one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return jax.tree_util.tree_map_with_path(
+            one, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def constrain(self, x, logical):
         return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
@@ -377,7 +436,8 @@ def constrain(x, logical):
     return x if plan is None else plan.constrain(x, logical)
 
 
-__all__ = ["ACTIVATION", "CACHE", "HEAD_POLICIES", "MESH_AXES", "MESH_PRESETS", "ROWS",
-           "RULES", "TOKENS", "ShardingError", "ShardingPlan", "active", "constrain",
-           "describe", "make_mesh", "mesh_of", "parse_mesh_spec", "place", "plan_for",
-           "rules_for", "shard_model", "to_host", "use"]
+__all__ = ["ACTIVATION", "CACHE", "EXPERT_KERNELS", "HEAD_POLICIES", "MESH_AXES",
+           "MESH_PRESETS", "ROWS", "RULES", "TOKENS", "ShardingError", "ShardingPlan",
+           "active", "constrain", "describe", "logical_names", "make_mesh", "mesh_of",
+           "parse_mesh_spec", "place", "plan_for", "rules_for", "shard_model", "to_host",
+           "use"]

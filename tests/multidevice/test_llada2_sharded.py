@@ -1,0 +1,133 @@
+"""The LLaDA2 mixture-of-experts model sharded over 8 (fake CPU) devices computes what it
+computes on one: the stacked expert kernels split along their expert axis on the tensor
+axis (expert parallelism), attention as the dense models' (the fused q/k/v kernel
+replicated, the output projection split by heads), the logits equal to the
+single-device ones and the decoded tokens (d2f, which follows the model's block-causal
+attention, and vanilla) the same. Issue 45 item 4."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from asynclane_jax import sharding
+from asynclane_jax.decoding import generate
+from asynclane_jax.models import init_model, preset
+
+MESHES = ["data=2,tensor=4", "tensor=8", "fsdp=2,tensor=4"]
+
+
+@functools.cache
+def tiny():
+    """tiny-llada2-test (8 experts in 4 groups, top-2, a shared expert, 4/2 heads), its
+    output head sharpened so greedy choices are clear."""
+    cfg = preset("tiny-llada2-test")
+    model = init_model(cfg, seed=3)
+    model.lm_head.kernel[...] = model.lm_head.kernel[...] * 30.0
+    return model, cfg
+
+
+def _placed(mesh):
+    model, cfg = tiny()
+    plan = sharding.plan_for(cfg, mesh)
+    return sharding.shard_model(nnx.clone(model), plan), plan
+
+
+def test_expert_axis_and_attention_placement():
+    _, cfg = tiny()
+    placed, plan = _placed("data=2,tensor=4")
+    params = nnx.state(placed, nnx.Param)
+    moe = params["layers"][1]["mlp"]
+    for name in ("gate_proj", "up_proj", "down_proj"):  # [E, ...]: 2 experts per chip
+        assert moe["experts"][name][...].sharding.spec == P("tensor", None, None), name
+    assert moe["gate"]["kernel"][...].sharding.spec == P(None, None)
+    assert moe["shared_experts"]["up_proj"]["kernel"][...].sharding.spec == P(None, "tensor")
+    attn = params["layers"][1]["attn"]
+    assert attn["qkv_proj"]["kernel"][...].sharding.spec == P(None, None)
+    assert attn["o_proj"]["kernel"][...].sharding.spec == P("tensor", None)
+    assert params["layers"][0]["mlp"]["down_proj"]["kernel"][...].sharding.spec == \
+        P("tensor", None)
+
+    # 8 experts on 8 chips: one each; 4 heads do not divide by 8: attention replicated.
+    wide = sharding.plan_for(cfg, "tensor=8").param_shardings(nnx.state(tiny()[0], nnx.Param))
+    assert wide["layers"][2]["mlp"]["experts"]["down_proj"].get_value().spec == \
+        P("tensor", None, None)
+    assert wide["layers"][2]["attn"]["o_proj"]["kernel"].get_value().spec == P(None, None)
+    # fsdp still splits the experts' model width.
+    fsdp = sharding.plan_for(cfg, "fsdp=2,tensor=4").param_shardings(
+        nnx.state(tiny()[0], nnx.Param))
+    assert fsdp["layers"][1]["mlp"]["experts"]["gate_proj"].get_value().spec == \
+        P("tensor", "fsdp", None)
+    # A rules table can turn the expert split off: the experts' mlp width is split then.
+    rules = tuple((k, None if k == "expert" else v) for k, v in plan.rules)
+    off = sharding.plan_for(cfg, "data=2,tensor=4", rules=rules).param_shardings(
+        nnx.state(tiny()[0], nnx.Param))
+    assert off["layers"][1]["mlp"]["experts"]["gate_proj"].get_value().spec == \
+        P(None, None, "tensor")
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_logits_equal_single_device(mesh):
+    model, cfg = tiny()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size - 3, (4, 24)).astype(np.int32)
+    blocks = np.repeat(np.arange(3), 8)[None].repeat(4, 0).astype(np.int32)
+    graphdef, state = nnx.split(model)
+    base = jax.jit(lambda s, t, b: nnx.merge(graphdef, s)(t, block_ids=b))(
+        state, tokens, blocks)
+
+    placed, plan = _placed(mesh)
+    graphdef, state = nnx.split(placed)
+
+    def forward(s, t, b):
+        with sharding.use(plan):
+            return nnx.merge(graphdef, s)(t, block_ids=b)
+
+    args = (state, sharding.place(tokens, plan, sharding.TOKENS),
+            sharding.place(blocks, plan, sharding.TOKENS))
+    fn = jax.jit(forward)
+    np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=2e-5, rtol=1e-5)
+
+    # Expert parallelism, not a gather of the experts: no all-gather in the compiled
+    # program yields a whole stacked expert kernel [E, d, m] or [E, m, d].
+    hlo = fn.lower(*args).compile().as_text()
+    E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
+    whole = {f"[{E},{d},{m}]", f"[{E},{m},{d}]"}
+    gathered = re.findall(r"= \w+(\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
+    assert not whole & set(gathered), gathered
+
+
+@pytest.mark.parametrize("sampler", ["d2f", pytest.param("vanilla", marks=pytest.mark.slow)])
+def test_sharded_tokens_equal_single_device(sampler):
+    model, cfg = tiny()
+    rng = np.random.default_rng(1)
+    ids = [[int(t) for t in rng.integers(0, cfg.vocab_size - 3, n)] for n in (5, 9, 3)]
+    kw = dict(sampler=sampler, gen_length=32)
+    base = generate(model, ids, **kw)
+    for mesh in ("data=2,tensor=4", "tensor=8"):
+        res = generate(model, ids, mesh=sharding.plan_for(cfg, mesh), **kw)
+        np.testing.assert_array_equal(res.tokens, base.tokens, err_msg=mesh)
+        assert res.stats.nfe == base.stats.nfe, mesh
+
+
+def test_logical_names():
+    from jax.tree_util import DictKey as K
+
+    experts = (K("layers"), K(1), K("mlp"), K("experts"), K("gate_proj"))
+    assert sharding.logical_names(experts, (None, "embed", "mlp")) == \
+        ("expert", "embed", "mlp")
+    assert sharding.logical_names(experts, ("layers", None, "embed", "mlp")) == \
+        ("layers", "expert", "embed", "mlp")  # a stacked layer layout
+    assert sharding.logical_names(experts, ("expert", "embed", "mlp")) == \
+        ("expert", "embed", "mlp")  # already named: kept
+    qkv = (K("layers"), K(0), K("attn"), K("qkv_proj"), K("kernel"))
+    assert sharding.logical_names(qkv, ("embed", "heads")) == ("embed", "qkv_heads")
+    dense_q = (K("layers"), K(0), K("attn"), K("q_proj"), K("kernel"))
+    assert sharding.logical_names(dense_q, ("embed", "heads")) == ("embed", "heads")
+    assert sharding.logical_names(qkv, None) is None
