@@ -1,0 +1,194 @@
+"""LLaDA2.0's block-diffusion sampler (`llada2`): token for token against a plain-Python
+restatement of the published generation loop (inclusionAI LLaDA2.0, `generate`), on a
+tiny random LLaDA2 model, rows of one batch equal to the prompts decoded alone."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference_samplers import _full_blocks, _Margins, make_prompts, runner, softmax
+
+from asynclane_jax.decoding import generate
+from asynclane_jax.decoding.llada2 import LLaDA2Schedule
+from asynclane_jax.decoding.schedule import SamplerError
+from asynclane_jax.models import init_model, preset
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+_MODEL: dict = {}
+
+
+def tiny_llada2(lm_scale=30.0, qk_scale=4.0, eos_as=None):
+    """A (memoised) tiny random LLaDA2 model in float32, sharpened as the other samplers'
+    test models are (reference_samplers.make_model): the QK-norm scales (the q/k kernels
+    would be normalised away) and the output head; the mask column zeroed. `eos_as`: a
+    token whose output column trades places with end-of-text's, so that end-of-text is
+    predicted where that (often predicted) token was."""
+    key = (lm_scale, qk_scale, eos_as)
+    if key not in _MODEL:
+        cfg = preset("tiny-llada2-test").replace(dtype="float32", param_dtype="float32")
+        model = init_model(cfg, 0)
+        head = np.array(model.lm_head.kernel[...]) * lm_scale
+        head[:, cfg.mask_token_id] = 0.0
+        if eos_as is not None:
+            e = cfg.eos_token_id
+            head[:, [e, eos_as]] = head[:, [eos_as, e]]
+        model.lm_head.kernel[...] = jnp.asarray(head)
+        for layer in model.layers:
+            for norm in (layer.attn.q_norm, layer.attn.k_norm):
+                norm.scale[...] = norm.scale[...] * qk_scale
+        _MODEL[key] = model
+    return _MODEL[key]
+
+
+def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshold,
+                     minimal_topk=1, eos_early_stop=False, cut=False):
+    """The published LLaDA2.0 `generate`, greedy, restated for one prompt.
+
+    The canvas is the prompt and masks up to the end of the block holding generated
+    position gen_length - 1 (blocks from the prompt's first token); `cut` ends it at
+    P + gen_length instead (what the engine's canvas holds). Each block from the one
+    holding the first generated position: at most min(steps, gen_length // minimal_topk)
+    steps, leaving early once it has no masks; a step is one forward over the canvas up
+    to the block's end, block-causal; confidence = softmax probability of the argmax;
+    if at least n_i masked confidences exceed the threshold they all commit, else the
+    min(n_i, masks) most confident. After a block, an end-of-text in the generated part
+    stops. eos_early_stop: a step committing an end-of-text stops when no mask precedes
+    the first end-of-text. The answer ends at its first end-of-text; returned here
+    padded to gen_length with end-of-text.
+    """
+    cfg = model.cfg
+    mask, eos, B, G = cfg.mask_token_id, cfg.eos_token_id, block_length, gen_length
+    P = len(prompt)
+    n_blocks = -(-(P + G) // B)
+    L = P + G if cut else n_blocks * B
+    x = np.array(list(prompt) + [mask] * (L - P), np.int64)
+    s_eff = min(steps, G // minimal_topk)
+    base, rem = divmod(B, s_eff)
+    counts = [base + (i < rem) for i in range(s_eff)]
+    r = runner(model)
+    margins = _Margins()
+    commit_step = np.full(L - P, -1, np.int64)
+    calls, paths = 0, {"threshold": 0, "topk": 0}
+
+    def answer():
+        gen = x[P:P + G].copy()
+        hits = np.flatnonzero(gen == eos)
+        if len(hits):
+            gen[hits[0] + 1:] = eos
+        return gen
+
+    for k in range(P // B, n_blocks):
+        start, end = k * B, min((k + 1) * B, L)
+        ids = np.arange(L) // B
+        for i in range(s_eff):
+            active = x[start:end] == mask
+            if not active.any():
+                break
+            # The whole canvas, block-causal: the blocks after this one are invisible
+            # to it, so this is the published forward over the canvas up to its end
+            # (one compiled shape per prompt instead of one per block).
+            logits = np.asarray(_full_blocks(r.graphdef, r.state,
+                                             jnp.asarray(x, jnp.int32)[None],
+                                             jnp.asarray(ids, jnp.int32)[None])[0])[start:end]
+            p = softmax(logits, np.float32)
+            x0 = p.argmax(-1)
+            conf = np.where(active, p.max(-1), -np.inf)
+            n = counts[i]
+            high = conf > threshold
+            for c in conf[active]:
+                margins.conf_gap(c - threshold)
+            if high.sum() >= n:
+                sel = np.flatnonzero(high)
+                paths["threshold"] += int(len(sel) > 0)
+            else:
+                m = min(n, int(active.sum()))
+                order = np.argsort(-conf, kind="stable")
+                sel = order[:m]
+                paths["topk"] += 1
+                if m < active.sum():
+                    margins.conf_gap(conf[order[m - 1]] - conf[order[m]])
+            margins.argmax_gap(logits[sel])
+            x[start + sel] = x0[sel]
+            commit_step[start + sel - P] = calls
+            calls += 1
+            if eos_early_stop and np.any(x0[sel] == eos):
+                first = int(np.flatnonzero(x == eos)[0])
+                if np.all(x[P:first] != mask):
+                    return answer(), dict(calls=calls, commit_step=commit_step[:G],
+                                          margins=margins, paths=paths)
+        if np.any(x[P:end] == eos):
+            break
+    return answer(), dict(calls=calls, commit_step=commit_step[:G], margins=margins,
+                          paths=paths)
+
+
+def _check(model, prompts, *, cut, **kw):
+    res = generate(model, prompts, sampler="llada2", **kw)
+    G = kw["gen_length"]
+    ref_kw = {k: v for k, v in kw.items() if k != "gen_length"}
+    paths = {"threshold": 0, "topk": 0}
+    for i, p in enumerate(prompts):
+        tokens, info = llada2_reference(model, p, gen_length=G, cut=cut, **ref_kw)
+        assert info["margins"].logit > 1e-4 and info["margins"].conf > 1e-5, (i, kw)
+        np.testing.assert_array_equal(res.tokens[i], tokens, err_msg=f"{kw} row {i}")
+        assert res.stats.row_nfe_full[i] == 1
+        assert res.stats.row_nfe_full[i] + res.stats.row_nfe_partial[i] == info["calls"]
+        upto = np.flatnonzero(tokens == model.cfg.eos_token_id)
+        upto = upto[0] + 1 if len(upto) else G
+        np.testing.assert_array_equal(res.stats.commit_step[i][:upto],
+                                      info["commit_step"][:upto], err_msg=f"{kw} row {i}")
+        for key in paths:
+            paths[key] += info["paths"][key]
+    assert not np.any(res.tokens == model.cfg.mask_token_id)
+    assert not res.stats.hit_step_cap
+    return res, paths
+
+
+# Rows 0 and 1 end on a block boundary (P_row + 27 a multiple of 8), so the engine's
+# canvas holds their whole last block: they must equal the published loop itself. Row 2
+# does not: it equals the loop on the canvas cut at P + gen_length (llada2.py).
+LENGTHS = (5, 13, 14)
+KW = dict(gen_length=27, block_length=8, steps=4)
+
+
+def _run(model, *, published_rows=(0, 1), **kw):
+    prompts = make_prompts(model.cfg.vocab_size, lengths=LENGTHS)
+    for i in published_rows:
+        full, _ = llada2_reference(model, prompts[i], cut=False, **KW, **kw)
+        cut, _ = llada2_reference(model, prompts[i], cut=True, **KW, **kw)
+        np.testing.assert_array_equal(full, cut)
+    return _check(model, prompts, cut=True, **KW, **kw)
+
+
+@pytest.mark.parametrize("threshold", [0.9, 0.7])
+def test_equals_the_published_loop(threshold):
+    """Two top-k positions per step (8 positions, 4 steps), the threshold path and the
+    top-k path both taken, the prompt's last block holding generated positions."""
+    _, paths = _run(tiny_llada2(lm_scale=60.0), threshold=threshold)
+    assert paths["threshold"] >= 5 and paths["topk"] >= 5, paths
+
+
+@pytest.mark.parametrize("eos_early_stop", [False, True])
+def test_end_of_text(eos_early_stop):
+    """A model that often predicts end-of-text: the row stops after the block holding
+    it (or at once with eos_early_stop), its answer ends there."""
+    model = tiny_llada2(lm_scale=60.0, eos_as=EOS_AS)
+    res, _ = _run(model, threshold=0.9, eos_early_stop=eos_early_stop)
+    eos = model.cfg.eos_token_id
+    stopped = [np.any(row == eos) for row in res.tokens]
+    assert sum(stopped) >= 2, res.tokens
+
+
+EOS_AS = 41  # rows 1 and 2 of LENGTHS stop; eos_early_stop saves row 2 calls
+
+
+def test_bad_options():
+    for kw, match in [({"block_length": 0}, "block_length"), ({"steps": 0}, "steps"),
+                      ({"threshold": 0.0}, "threshold"), ({"minimal_topk": 0}, "minimal"),
+                      ({"eos_early_stop": "yes"}, "eos_early_stop")]:
+        with pytest.raises(SamplerError, match=match):
+            LLaDA2Schedule(gen_length=8, **kw)
+    assert LLaDA2Schedule(gen_length=8, steps=32, minimal_topk=2).steps_per_block == 4
