@@ -15,6 +15,14 @@ Topologies are GENERATION:SHAPE: "v5e:2x4", "v6e:1x1" (2-D for v5e and v6e),
 together, as JAX runs v4 and v5p). Slices that fit on one host (v5e/v6e up to 2x4,
 v4/v5p up to 2x2x1) are described as one host; larger ones as hosts of 2x2 chips.
 
+A mixture-of-experts model (LLaDA2, `--preset llada2-mini`) compiles the same way: its
+stacked expert kernels are split along the expert axis on the mesh's tensor axis
+(asynclane_jax.sharding, "Mixture of experts"), the routed experts are grouped matmuls
+(`jax.lax.ragged_dot`) in the compiled program, and the report says how many experts
+each chip holds. Its weights are compiled in the dtype only: `--quantize int8` is refused
+for it (the int8 path quantizes linear layers, not the stacked experts). Use a sampler
+that follows its block-causal attention (`--sampler d2f`).
+
 The API is `compile_for_topology(...) -> AotReport`; `register` adds the `aot`
 subcommand to the asynclane-jax command line (through the `asynclane_jax.commands`
 entry points in pyproject.toml).
@@ -229,6 +237,10 @@ class AotReport:
     lower_s: float
     compile_s: float
     hlo_text: str | None = dataclasses.field(default=None, repr=False)
+    # A mixture-of-experts model: its routed experts per layer, and how many of them
+    # each chip holds (the plan's `expert` axis); None for a dense model.
+    experts: int | None = None
+    experts_per_chip: int | None = None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -250,6 +262,9 @@ class AotReport:
                  f"on {self.topology}: {self.chips} x {self.device_kind}, "
                  f"{g(self.hbm_bytes)} HBM each; mesh {self.mesh}, heads {self.heads}, "
                  f"layers {'scanned' if self.scan_layers else 'unrolled'}"]
+        if self.experts:
+            lines.append(f"experts: {self.experts} routed per layer, "
+                         f"{self.experts_per_chip} on each chip")
         if self.peak_bytes is not None:
             lines.append(f"per device: arguments {g(self.argument_bytes)}, output "
                          f"{g(self.output_bytes)}, temporaries {g(self.temp_bytes)}, code "
@@ -325,13 +340,14 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
       keep_hlo: keep the compiled HLO text in the report (`hlo_text`).
       quantize: "int8": the linear layers' weights as int8 arrays with per-channel
         scales (asynclane_jax.models.quantize), as `load(..., quantize="int8")` gives
-        them; None or "none": in the dtype.
+        them; None or "none": in the dtype. Refused for a mixture-of-experts model
+        (LLaDA2): its routed experts are not quantized by that path.
       scan_layers: the layer layout (`ModelConfig.scan_layers`); None: the config's.
     Returns:
       AotReport (per-device sizes, collectives, compile time, whether it fits).
     Raises:
-      AotError: bad topology or mesh, libtpu missing; SamplerError / ConfigError for a bad
-      sampler, option or preset.
+      AotError: bad topology or mesh, libtpu missing, quantize for a mixture-of-experts
+      model; SamplerError / ConfigError for a bad sampler, option or preset.
     """
     import jax
     import jax.numpy as jnp
@@ -346,6 +362,8 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
 
     mode = quantize_lib.check_mode(quantize)
     cfg, name = _config(model, dtype)
+    if mode is not None and cfg.is_moe:
+        raise AotError(moe_quantize_refusal(name, mode))
     if scan_layers is not None:
         cfg = cfg.replace(scan_layers=bool(scan_layers))
     options = dict(options or {})
@@ -432,7 +450,24 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
         param_bytes=quantize_lib.weight_bytes(params),
         **sizes, fits=not failure, reason=failure, collectives=collectives,
         lower_s=round(t1 - t0, 2), compile_s=round(t2 - t1, 2),
-        hlo_text=hlo if keep_hlo else None)
+        hlo_text=hlo if keep_hlo else None, **_experts(cfg, plan))
+
+
+def _experts(cfg, plan) -> dict:
+    """The report's experts fields: routed experts per layer and per chip."""
+    if not cfg.is_moe:
+        return {}
+    split = math.prod(plan.mesh.shape[a] for a in plan.expert_axes(cfg.n_experts))
+    return {"experts": cfg.n_experts, "experts_per_chip": cfg.n_experts // split}
+
+
+def moe_quantize_refusal(name: str, mode: str) -> str:
+    """Why a mixture-of-experts model is not compiled with quantized weights."""
+    return (f"quantize={mode}: not built for the mixture-of-experts model {name}: its "
+            "routed experts (most of its weights) are stacked kernels that the int8 path "
+            "(asynclane_jax.models.quantize, linear layers only) does not quantize, so "
+            "the report would describe mostly bfloat16 weights as int8; compile it with "
+            "--quantize none")
 
 
 def _oom_message(e: BaseException) -> str:

@@ -296,6 +296,12 @@ class ShardingPlan:
     def constrain(self, x, logical):
         return jax.lax.with_sharding_constraint(x, self.sharding(logical, x.shape))
 
+    def expert_axes(self, n_experts: int) -> tuple[str, ...]:
+        """The mesh axes that split n experts (the `expert` rule, cut to what divides
+        n; () when the experts are not split)."""
+        axes = self.spec(("expert",), (n_experts,))[0]
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
 
 def plan_for(cfg, mesh: str | Mesh, *, rules: Rules | None = None,
              heads: str = "whole") -> ShardingPlan:
@@ -436,8 +442,60 @@ def constrain(x, logical):
     return x if plan is None else plan.constrain(x, logical)
 
 
+def routed_experts(x, experts, weights, gate, up, down, dtype):
+    """`models.moe.routed_experts` (same arguments, same result), expert-parallel when a
+    plan is active (`use`) whose `expert` rule splits the experts: each chip computes
+    only the (token, expert) pairs of the experts it holds, as one grouped matmul
+    (`jax.lax.ragged_dot`) per projection over those pairs sorted by expert, mixes them by
+    their routing weights, and the chips' partial sums are added by one all-reduce of
+    [N, d] (a `jax.shard_map`, manual over the expert axes only; the other mesh axes stay
+    with the compiler). The tokens, the choices and the weights are replicated over the
+    expert axes, as the activations between layers are over `tensor`.
+
+    Why: under the compiler's own partitioning, the TPU compiler gathers every stacked
+    expert kernel whole onto every chip for its ragged dots (libtpu 0.0.42.1; see
+    tests/commands/test_aot_llada2.py), which undoes the split. Without an active plan, or
+    with experts that are not split, this is `moe.routed_experts` itself.
+    """
+    from asynclane_jax.models import moe
+
+    plan = active()
+    axes = () if plan is None else plan.expert_axes(gate.shape[0])
+    if not axes:
+        return moe.routed_experts(x, experts, weights, gate, up, down, dtype)
+    spread = PartitionSpec(axes if len(axes) > 1 else axes[0])
+
+    def local(x, experts, weights, gate, up, down):
+        n, k = experts.shape
+        held = gate.shape[0]  # this chip's experts: first .. first + held - 1
+        first = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * held
+        flat = experts.reshape(-1) - first
+        mine = (flat >= 0) & (flat < held)
+        key = jnp.where(mine, flat, held)  # other chips' pairs sort last, in no group
+        order = jnp.argsort(key, stable=True)
+        rows = jnp.take(x.astype(dtype), order // k, axis=0)
+        sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
+
+        def grouped(lhs, rhs):  # rows past the groups come out zero
+            return jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes,
+                                      preferred_element_type=jnp.float32).astype(dtype)
+
+        hidden = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)
+        out = grouped(hidden, down)
+        out = jnp.zeros_like(out).at[order].set(out)
+        w = jnp.where(mine.reshape(n, k), weights, 0.0)
+        mixed = jnp.sum(out.reshape(n, k, -1).astype(jnp.float32) * w[..., None], axis=1)
+        return jax.lax.psum(mixed, axes)
+
+    fn = jax.shard_map(local, mesh=plan.mesh, axis_names=frozenset(axes),
+                       in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), spread,
+                                 spread, spread),
+                       out_specs=PartitionSpec())
+    return fn(x, experts, weights, gate, up, down).astype(dtype)
+
+
 __all__ = ["ACTIVATION", "CACHE", "EXPERT_KERNELS", "HEAD_POLICIES", "MESH_AXES",
            "MESH_PRESETS", "ROWS", "RULES", "TOKENS", "ShardingError", "ShardingPlan",
            "active", "constrain", "describe", "logical_names", "make_mesh", "mesh_of",
-           "parse_mesh_spec", "place", "plan_for", "rules_for", "shard_model", "to_host",
-           "use"]
+           "parse_mesh_spec", "place", "plan_for", "routed_experts", "rules_for",
+           "shard_model", "to_host", "use"]

@@ -131,3 +131,51 @@ def test_logical_names():
     dense_q = (K("layers"), K(0), K("attn"), K("q_proj"), K("kernel"))
     assert sharding.logical_names(dense_q, ("embed", "heads")) == ("embed", "heads")
     assert sharding.logical_names(qkv, None) is None
+
+
+def _moe_inputs(cfg, n=40, seed=0):
+    from asynclane_jax.models import moe
+
+    rng = np.random.default_rng(seed)
+    E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    gate, up = (rng.standard_normal((E, d, m)).astype(np.float32) * 0.2 for _ in range(2))
+    down = rng.standard_normal((E, m, d)).astype(np.float32) * 0.2
+    router = rng.standard_normal((d, E)).astype(np.float32)
+    experts, weights = moe.route(x, router, np.zeros(E, np.float32),
+                                 top_k=cfg.n_experts_per_tok, n_groups=cfg.n_expert_groups,
+                                 topk_groups=cfg.n_topk_groups, scaling=cfg.routed_scaling)
+    return x, experts, weights, gate, up, down
+
+
+@pytest.mark.parametrize("mesh", ["data=2,tensor=4", "tensor=8", "fsdp=2,tensor=4"])
+def test_expert_parallel_routed_experts(mesh):
+    """sharding.routed_experts (the shard_map over the expert axis: each chip's own
+    experts' pairs, one all-reduce) equals moe.routed_experts, and gathers no expert
+    kernel; without a plan it is moe.routed_experts."""
+    from asynclane_jax.models import moe
+
+    _, cfg = tiny()
+    x, experts, weights, gate, up, down = _moe_inputs(cfg)
+    base = moe.routed_experts(x, experts, weights, gate, up, down, np.float32)
+    np.testing.assert_array_equal(
+        sharding.routed_experts(x, experts, weights, gate, up, down, np.float32), base)
+
+    plan = sharding.plan_for(cfg, mesh)
+    names = {"gate": (None, "embed", "mlp"), "up": (None, "embed", "mlp"),
+             "down": (None, "mlp", "embed")}
+    placed = {k: jax.device_put(v, plan.sharding(("expert",) + names[k][1:], v.shape))
+              for k, v in dict(gate=gate, up=up, down=down).items()}
+    assert placed["gate"].sharding.spec[0] == "tensor"
+
+    def run(x, e, w, gate, up, down):
+        with sharding.use(plan):
+            return sharding.routed_experts(x, e, w, gate, up, down, np.float32)
+
+    fn = jax.jit(run)
+    args = (x, experts, weights, placed["gate"], placed["up"], placed["down"])
+    np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=1e-5, rtol=1e-5)
+    hlo = fn.lower(*args).compile().as_text()
+    E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
+    gathered = re.findall(r"= \w+(\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
+    assert not {f"[{E},{d},{m}]", f"[{E},{m},{d}]"} & set(gathered), gathered
