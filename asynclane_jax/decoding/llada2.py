@@ -20,6 +20,18 @@ The published loop, restated (greedy):
     an end-of-text stops the row at once when no mask is left before the first
     end-of-text of its generated part.
 
+LLaDA2.1's token editing (`editing_threshold` set; None is LLaDA2.0), as the public
+ports of its generate code describe it (the authors' own 2.1 code was not read here): in
+every call on a block, a decoded, non-prompt position of the block whose argmax differs
+from its token, with probability above `editing_threshold` (strictly), takes the argmax,
+alongside the mask commits above. Once the block has no masks, up to `max_post_steps`
+more calls are made on it; the block ends after the first of them that edits nothing.
+The step counter of the top-k counts advances only on calls that found masks. The
+end-of-text stop after a block is LLaDA2.0's (one public port applies it only with
+eos_early_stop). The model card's modes, as its public copies give them: quality
+threshold=0.7 editing_threshold=0.5 max_post_steps=16; speed threshold=0.5
+editing_threshold=0.0 max_post_steps=16 (block_length=32, steps=32 in both).
+
 Here: the row's answer keeps its tokens up to its first end-of-text; every later
 position becomes end-of-text (the published code returns the answer cut there).
 
@@ -59,6 +71,7 @@ from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerEr
 class LLaDA2State:
     block: jax.Array  # [b] int32 the row's current block (row positions from 0)
     step: jax.Array  # [b] int32 steps spent on that block
+    post: jax.Array  # [b] int32 calls made on the block after its last mask went (2.1)
     fresh: jax.Array  # [b] bool: not encoded yet (its first call is a full forward)
     ended: jax.Array  # [b] bool
 
@@ -76,6 +89,11 @@ class LLaDA2Schedule(Schedule):
       minimal_topk: caps the steps at gen_length // minimal_topk, as published.
       eos_early_stop: a step that commits an end-of-text ends the row when no mask is
         left before its first end-of-text (as published; off by default).
+      editing_threshold: LLaDA2.1's token editing (None: off, LLaDA2.0): a decoded,
+        non-prompt position of the current block whose new argmax differs from its token
+        and has probability above this is replaced, in every call on the block.
+      max_post_steps: with editing, calls on a block after its last mask went, at most
+        (the block ends sooner after a call that edits nothing).
     """
 
     name = "llada2"
@@ -86,6 +104,8 @@ class LLaDA2Schedule(Schedule):
     threshold: float = 0.95
     minimal_topk: int = 1
     eos_early_stop: bool = False
+    editing_threshold: float | None = None
+    max_post_steps: int = 0
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,6 +122,12 @@ class LLaDA2Schedule(Schedule):
             raise SamplerError(f"{self.name}: eos_early_stop={self.eos_early_stop!r} must "
                                "be true or false")
         object.__setattr__(self, "eos_early_stop", bool(self.eos_early_stop))
+        if self.editing_threshold is not None and not 0 <= self.editing_threshold <= 1:
+            raise SamplerError(f"{self.name}: editing_threshold={self.editing_threshold} "
+                               "must be in [0, 1] (or None: no editing)")
+        if self.max_post_steps < 0:
+            raise SamplerError(f"{self.name}: max_post_steps={self.max_post_steps} must be "
+                               ">= 0")
 
     @property
     def steps_per_block(self) -> int:
@@ -127,13 +153,15 @@ class LLaDA2Schedule(Schedule):
         # at most one iteration for another row's first full forward each time rows are
         # admitted (twice the bound covers it).
         blocks = self.gen_length // self.block_length + 2
-        return 2 * blocks * self.steps_per_block + 2
+        post = self.max_post_steps if self.editing_threshold is not None else 0
+        return 2 * blocks * (self.steps_per_block + post) + 2
 
     def init(self, ctx: Context) -> LLaDA2State:
         b = ctx.batch
         prompt_row = ctx.prompt_len - ctx.pad_len
         return LLaDA2State(block=(prompt_row // self.block_length).astype(jnp.int32),
-                           step=jnp.zeros((b,), jnp.int32), fresh=jnp.ones((b,), bool),
+                           step=jnp.zeros((b,), jnp.int32), post=jnp.zeros((b,), jnp.int32),
+                           fresh=jnp.ones((b,), bool),
                            ended=jnp.zeros((b,), bool))
 
     def _columns(self, ctx: Context, block):
@@ -165,7 +193,9 @@ class LLaDA2Schedule(Schedule):
         safe = jnp.minimum(cols, T - 1)
         logits, has = out.at(jnp.where(valid, cols, T))
         blk = jnp.take_along_axis(canvas, safe, axis=1)
-        masked = valid & has & (blk == ctx.mask_id) & serve[:, None]
+        was_masked = valid & (blk == ctx.mask_id)
+        masks_before = jnp.any(was_masked, axis=-1)
+        masked = was_masked & has & serve[:, None]
         x0, conf = ops.greedy_confidence(logits)
         x0 = ops.never_the_mask(logits, x0, ctx.mask_id)
 
@@ -175,13 +205,27 @@ class LLaDA2Schedule(Schedule):
         high = masked & (conf > self.row_option(ctx, "threshold")[:, None])
         topk = ops.topk_mask(jnp.where(masked, conf, ops.NEG_INF), jnp.minimum(k, n_masked))
         commit = jnp.where((jnp.sum(high, axis=-1) >= k)[:, None], high, topk) & masked
+        if self.editing_threshold is None:
+            edit = jnp.zeros_like(commit)
+        else:  # 2.1: decoded, non-prompt positions whose confident prediction differs
+            edit = (valid & has & serve[:, None] & ~was_masked & (cols >= P)
+                    & (conf > self.editing_threshold) & (x0 != blk))
+        commit = commit | edit
         canvas = canvas.at[rows, jnp.where(commit, cols, T)].set(x0, mode="drop")
 
-        # The block's end: no mask left, or its steps spent.
-        step = state.step + 1
+        # The block's end: no mask left (after max_post_steps more calls with editing,
+        # or the first that edits nothing), or its steps spent.
+        step = state.step + masks_before
         new_blk = jnp.take_along_axis(canvas, safe, axis=1)
         left = jnp.any(valid & (new_blk == ctx.mask_id), axis=-1)
-        block_end = serve & (~left | (step >= self.steps_per_block))
+        post = state.post + ~masks_before
+        if self.editing_threshold is None:
+            block_end = serve & (~left | (step >= self.steps_per_block))
+        else:
+            no_edit = ~masks_before & ~jnp.any(edit, axis=-1)
+            # The next call would be post-step post + 1 (when no mask is left).
+            block_end = serve & (no_edit | (~left & (post + 1 > self.max_post_steps))
+                                 | (left & (step >= self.steps_per_block)))
         gen = canvas[:, P:]
         j = jnp.arange(ctx.gen_length)[None, :]
         is_eos = (gen == ctx.eos_id)
@@ -199,8 +243,10 @@ class LLaDA2Schedule(Schedule):
 
         block = jnp.where(block_end & ~ended, state.block + 1, state.block)
         step = jnp.where(block_end, 0, jnp.where(serve, step, state.step))
+        post = jnp.where(block_end, 0, jnp.where(serve, post, state.post))
         return canvas, LLaDA2State(block=block.astype(jnp.int32), step=step.astype(jnp.int32),
-                                   fresh=state.fresh & ~serve, ended=state.ended | ended)
+                                   post=post.astype(jnp.int32), fresh=state.fresh & ~serve,
+                                   ended=state.ended | ended)
 
     def done(self, ctx: Context, canvas, state: LLaDA2State):
         return state.ended

@@ -44,7 +44,8 @@ def tiny_llada2(lm_scale=30.0, qk_scale=4.0, eos_as=None):
 
 
 def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshold,
-                     minimal_topk=1, eos_early_stop=False, cut=False):
+                     minimal_topk=1, eos_early_stop=False, editing_threshold=None,
+                     max_post_steps=0, cut=False):
     """The published LLaDA2.0 `generate`, greedy, restated for one prompt.
 
     The canvas is the prompt and masks up to the end of the block holding generated
@@ -58,6 +59,13 @@ def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshol
     stops. eos_early_stop: a step committing an end-of-text stops when no mask precedes
     the first end-of-text. The answer ends at its first end-of-text; returned here
     padded to gen_length with end-of-text.
+
+    LLaDA2.1's editing (`editing_threshold` not None), as its public ports describe it:
+    in every call on a block, a decoded, non-prompt position of the block whose argmax
+    differs from its token with probability above editing_threshold takes the argmax;
+    once the block has no masks, up to max_post_steps more calls are made, ending after
+    the first that edits nothing. The top-k step counter advances only on calls that
+    found masks.
     """
     cfg = model.cfg
     mask, eos, B, G = cfg.mask_token_id, cfg.eos_token_id, block_length, gen_length
@@ -71,7 +79,10 @@ def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshol
     r = runner(model)
     margins = _Margins()
     commit_step = np.full(L - P, -1, np.int64)
-    calls, paths = 0, {"threshold": 0, "topk": 0}
+    calls = 0
+    paths = {"threshold": 0, "topk": 0, "edits": 0, "post": 0, "quiet": 0, "capped": 0,
+             "early_stop": 0}
+    editing = editing_threshold is not None
 
     def answer():
         gen = x[P:P + G].copy()
@@ -83,10 +94,18 @@ def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshol
     for k in range(P // B, n_blocks):
         start, end = k * B, min((k + 1) * B, L)
         ids = np.arange(L) // B
-        for i in range(s_eff):
+        is_prompt = np.arange(start, end) < P
+        i, post = 0, 0
+        while i < s_eff or (editing and post <= max_post_steps):
             active = x[start:end] == mask
-            if not active.any():
+            remaining = bool(active.any())
+            if not remaining and not editing:
                 break
+            if not remaining:
+                post += 1
+                if post > max_post_steps:
+                    paths["capped"] += 1
+                    break
             # The whole canvas, block-causal: the blocks after this one are invisible
             # to it, so this is the published forward over the canvas up to its end
             # (one compiled shape per prompt instead of one per block).
@@ -96,27 +115,45 @@ def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshol
             p = softmax(logits, np.float32)
             x0 = p.argmax(-1)
             conf = np.where(active, p.max(-1), -np.inf)
-            n = counts[i]
-            high = conf > threshold
-            for c in conf[active]:
-                margins.conf_gap(c - threshold)
-            if high.sum() >= n:
-                sel = np.flatnonzero(high)
-                paths["threshold"] += int(len(sel) > 0)
-            else:
-                m = min(n, int(active.sum()))
-                order = np.argsort(-conf, kind="stable")
-                sel = order[:m]
-                paths["topk"] += 1
-                if m < active.sum():
-                    margins.conf_gap(conf[order[m - 1]] - conf[order[m]])
+            sel = np.zeros(0, np.int64)
+            if remaining and i < s_eff:
+                n = counts[i]
+                high = conf > threshold
+                for c in conf[active]:
+                    margins.conf_gap(c - threshold)
+                if high.sum() >= n:
+                    sel = np.flatnonzero(high)
+                    paths["threshold"] += int(len(sel) > 0)
+                else:
+                    m = min(n, int(active.sum()))
+                    order = np.argsort(-conf, kind="stable")
+                    sel = order[:m]
+                    paths["topk"] += 1
+                    if m < active.sum():
+                        margins.conf_gap(conf[order[m - 1]] - conf[order[m]])
+                commit_step[start + sel - P] = calls
+            edits = np.zeros(0, np.int64)
+            if editing:
+                editable = ~active & ~is_prompt
+                pe = p.max(-1)
+                for j in np.flatnonzero(editable & (x0 != x[start:end])):
+                    margins.conf_gap(pe[j] - editing_threshold)
+                edits = np.flatnonzero(editable & (pe > editing_threshold)
+                                       & (x0 != x[start:end]))
+                paths["edits"] += len(edits)
+                paths["post"] += int(not remaining)
+            sel = np.concatenate([sel, edits])
             margins.argmax_gap(logits[sel])
             x[start + sel] = x0[sel]
-            commit_step[start + sel - P] = calls
             calls += 1
+            if not remaining and not len(edits):
+                paths["quiet"] += 1
+                break
+            i += int(remaining)
             if eos_early_stop and np.any(x0[sel] == eos):
                 first = int(np.flatnonzero(x == eos)[0])
                 if np.all(x[P:first] != mask):
+                    paths["early_stop"] += 1
                     return answer(), dict(calls=calls, commit_step=commit_step[:G],
                                           margins=margins, paths=paths)
         if np.any(x[P:end] == eos):
@@ -129,7 +166,7 @@ def _check(model, prompts, *, cut, **kw):
     res = generate(model, prompts, sampler="llada2", **kw)
     G = kw["gen_length"]
     ref_kw = {k: v for k, v in kw.items() if k != "gen_length"}
-    paths = {"threshold": 0, "topk": 0}
+    paths = {}
     for i, p in enumerate(prompts):
         tokens, info = llada2_reference(model, p, gen_length=G, cut=cut, **ref_kw)
         assert info["margins"].logit > 1e-4 and info["margins"].conf > 1e-5, (i, kw)
@@ -140,8 +177,8 @@ def _check(model, prompts, *, cut, **kw):
         upto = upto[0] + 1 if len(upto) else G
         np.testing.assert_array_equal(res.stats.commit_step[i][:upto],
                                       info["commit_step"][:upto], err_msg=f"{kw} row {i}")
-        for key in paths:
-            paths[key] += info["paths"][key]
+        for key, n in info["paths"].items():
+            paths[key] = paths.get(key, 0) + n
     assert not np.any(res.tokens == model.cfg.mask_token_id)
     assert not res.stats.hit_step_cap
     return res, paths
@@ -171,15 +208,28 @@ def test_equals_the_published_loop(threshold):
     assert paths["threshold"] >= 5 and paths["topk"] >= 5, paths
 
 
-@pytest.mark.parametrize("eos_early_stop", [False, True])
-def test_end_of_text(eos_early_stop):
+@pytest.mark.parametrize("editing", [False, True])
+def test_end_of_text(editing):
     """A model that often predicts end-of-text: the row stops after the block holding
-    it (or at once with eos_early_stop), its answer ends there."""
+    it (LLaDA2.0), or at once with eos_early_stop (with editing); its answer ends
+    there."""
     model = tiny_llada2(lm_scale=60.0, eos_as=EOS_AS)
-    res, _ = _run(model, threshold=0.9, eos_early_stop=eos_early_stop)
+    res, paths = _run(model, threshold=0.9, **(EDITING if editing else {}))
+    assert paths["early_stop"] >= (1 if editing else 0), paths
     eos = model.cfg.eos_token_id
     stopped = [np.any(row == eos) for row in res.tokens]
     assert sum(stopped) >= 2, res.tokens
+
+
+# LLaDA2.1's token editing, with eos_early_stop (one compiled program for both tests).
+EDITING = dict(editing_threshold=0.95, max_post_steps=4, eos_early_stop=True)
+
+
+def test_token_editing():
+    """LLaDA2.1's editing: decoded positions replaced, extra calls after a block's last
+    mask, blocks ending both at max_post_steps and on a call that edits nothing."""
+    _, paths = _run(tiny_llada2(lm_scale=60.0), threshold=0.7, **EDITING)
+    assert paths["edits"] >= 10 and paths["quiet"] >= 2 and paths["capped"] >= 2, paths
 
 
 EOS_AS = 41  # rows 1 and 2 of LENGTHS stop; eos_early_stop saves row 2 calls
@@ -188,7 +238,9 @@ EOS_AS = 41  # rows 1 and 2 of LENGTHS stop; eos_early_stop saves row 2 calls
 def test_bad_options():
     for kw, match in [({"block_length": 0}, "block_length"), ({"steps": 0}, "steps"),
                       ({"threshold": 0.0}, "threshold"), ({"minimal_topk": 0}, "minimal"),
-                      ({"eos_early_stop": "yes"}, "eos_early_stop")]:
+                      ({"eos_early_stop": "yes"}, "eos_early_stop"),
+                      ({"editing_threshold": 1.5}, "editing_threshold"),
+                      ({"max_post_steps": -1}, "max_post_steps")]:
         with pytest.raises(SamplerError, match=match):
             LLaDA2Schedule(gen_length=8, **kw)
     assert LLaDA2Schedule(gen_length=8, steps=32, minimal_topk=2).steps_per_block == 4
