@@ -37,7 +37,10 @@ give each chip its own query heads (the slices straddle the q / k / v boundaries
 is renamed `qkv_heads`, replicated by default: the projection is computed on every chip
 of the tensor axis and the output projection `o_proj` is split by heads as in the dense
 models. Put ("expert", None) or ("qkv_heads", "tensor") in a rules table to change
-either.
+either. The routed experts are computed expert-parallel by `routed_experts` (a
+shard_map over the expert axis; the compiler's own partitioning of the ragged dots
+gathers the experts whole on a TPU), which `SparseMoE` is to call in place of
+`moe.routed_experts`.
 
 `ShardingPlan` binds a mesh and rules; `use(plan)` makes it the plan that
 `constrain` applies while a decode is traced (no plan: `constrain` does nothing, and a
