@@ -185,9 +185,10 @@ def _check(model, prompts, *, cut, **kw):
 
 
 # Rows 0 and 1 end on a block boundary (P_row + 27 a multiple of 8), so the engine's
-# canvas holds their whole last block: they must equal the published loop itself. Row 2
-# does not: it equals the loop on the canvas cut at P + gen_length (llada2.py).
-LENGTHS = (5, 13, 14)
+# canvas holds their whole last block: they must equal the published loop itself. Rows 2
+# and 3 do not: they equal the loop on the canvas cut at P + gen_length (llada2.py).
+# Row 3's prompt is one whole block: its first generated block starts a block.
+LENGTHS = (5, 13, 14, 8)
 KW = dict(gen_length=27, block_length=8, steps=4)
 
 
