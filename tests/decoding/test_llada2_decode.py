@@ -250,3 +250,67 @@ def test_bad_options():
         with pytest.raises(SamplerError, match=match):
             LLaDA2Schedule(gen_length=8, **kw)
     assert LLaDA2Schedule(gen_length=8, steps=32, minimal_topk=2).steps_per_block == 4
+
+
+# ---------------------------------------------------------------- rules on hand-made logits
+
+def _hand(sched, canvas, state, picks, V=10):
+    """One update of `sched` on a batch-1 canvas (prompt of 6, gen_length 6, blocks of
+    4: the prompt's last block holds columns 4-7, generated ones 6 and 7), with logits
+    for the current block: `picks` maps a column to (token, probability), every other
+    column flat."""
+    from asynclane_jax.decoding.schedule import CallOutput, Context
+
+    ctx = Context(batch=1, prompt_len=6, gen_length=6, shift=0, mask_id=9, eos_id=8,
+                  stop_ids=(8,), pad_len=jnp.zeros((1,), jnp.int32))
+    cols = 4 * int(state.block[0]) + np.arange(4)
+    probs = np.full((1, 4, V), 1.0 / V)
+    for c, (tok, p) in picks.items():
+        probs[0, c - cols[0]] = (1 - p) / (V - 1)
+        probs[0, c - cols[0], tok] = p
+    out = CallOutput(logits=jnp.log(jnp.asarray(probs, jnp.float32)),
+                     targets=jnp.asarray(cols[None], jnp.int32), serve=jnp.ones((1,), bool),
+                     full=jnp.asarray(False))
+    canvas, state = sched.update(ctx, jnp.asarray([canvas]), state, out, None)
+    return np.asarray(canvas)[0].tolist(), state
+
+
+def test_rules_on_hand_made_logits():
+    from asynclane_jax.decoding.schedule import Context
+
+    M = 9
+    ctx = Context(batch=1, prompt_len=6, gen_length=6, shift=0, mask_id=M, eos_id=8,
+                  stop_ids=(8,), pad_len=jnp.zeros((1,), jnp.int32))
+    sched = LLaDA2Schedule(gen_length=6, block_length=4, steps=2, threshold=0.9)
+    state = sched.init(ctx)
+    assert int(state.block[0]) == 1  # the block holding the first generated position
+    canvas = [1, 2, 3, 4, 5, 6] + [M] * 6
+    # One masked position above the threshold, fewer than the step's count (2): the
+    # two most confident commit; the prompt columns 4 and 5 are never written.
+    canvas, state = _hand(sched, canvas, state, {4: (7, 0.99), 6: (3, 0.95), 7: (4, 0.5)})
+    assert canvas[:8] == [1, 2, 3, 4, 5, 6, 3, 4] and int(state.block[0]) == 2
+    # Block 2 (columns 8-11): two above the threshold, the step's count: only they.
+    canvas, state = _hand(sched, canvas, state, {8: (1, 0.95), 9: (2, 0.8),
+                                                 10: (3, 0.97), 11: (4, 0.85)})
+    assert canvas[8:] == [1, M, 3, M] and not bool(sched.done(ctx, None, state)[0])
+    # Step 2 of 2: nothing above, the top 2 (all that is left) commit; the row is done.
+    canvas, state = _hand(sched, canvas, state, {9: (2, 0.6), 11: (4, 0.7)})
+    assert canvas[8:] == [1, 2, 3, 4] and bool(sched.done(ctx, None, state)[0])
+
+    # LLaDA2.1: a decoded generated position whose confident prediction differs is
+    # replaced, a prompt position never; after the last mask, calls go on while they
+    # edit, at most max_post_steps.
+    sched = LLaDA2Schedule(gen_length=6, block_length=4, steps=2, threshold=0.9,
+                           editing_threshold=0.8, max_post_steps=2)
+    state = sched.init(ctx)
+    canvas = [1, 2, 3, 4, 5, 6] + [M] * 6
+    canvas, state = _hand(sched, canvas, state, {6: (3, 0.95), 7: (4, 0.95)})
+    assert canvas[4:8] == [5, 6, 3, 4] and int(state.block[0]) == 1  # a post call next
+    canvas, state = _hand(sched, canvas, state, {4: (7, 0.99), 6: (5, 0.9), 7: (6, 0.7)})
+    assert canvas[4:8] == [5, 6, 5, 4] and int(state.block[0]) == 1  # edited: go on
+    canvas, state = _hand(sched, canvas, state, {6: (6, 0.99)})
+    assert canvas[4:8] == [5, 6, 6, 4] and int(state.block[0]) == 2  # the cap: 2 calls
+    # A post call that edits nothing ends the block at once.
+    canvas, state = _hand(sched, canvas, state, {j: (j - 7, 0.99) for j in range(8, 12)})
+    canvas, state = _hand(sched, canvas, state, {})
+    assert canvas[8:] == [1, 2, 3, 4] and bool(sched.done(ctx, None, state)[0])
