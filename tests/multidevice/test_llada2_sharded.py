@@ -2,8 +2,8 @@
 computes on one: the stacked expert kernels split along their expert axis on the tensor
 axis (expert parallelism), attention as the dense models' (the fused q/k/v kernel
 replicated, the output projection split by heads), the logits equal to the
-single-device ones and the decoded tokens (d2f, which follows the model's block-causal
-attention, and vanilla) the same; the expert-parallel routed experts
+single-device ones and the decoded tokens (the llada2 sampler, d2f, which follows the
+model's block-causal attention too, and vanilla) the same; the expert-parallel routed experts
 (`sharding.routed_experts`) equal `moe.routed_experts` and, put in the model where the
 hook asked of models/model.py would put them, give the same logits and tokens without
 gathering an expert kernel. Issue 45 item 4."""
@@ -107,7 +107,7 @@ def test_sharded_logits_equal_single_device(mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["d2f", "vanilla"])
+@pytest.mark.parametrize("sampler", ["llada2", "d2f", "vanilla"])
 def test_sharded_tokens_equal_single_device(sampler):
     model, cfg = tiny()
     rng = np.random.default_rng(1)
