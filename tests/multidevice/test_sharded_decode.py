@@ -33,12 +33,13 @@ CASES = [("tiny-llada", "vanilla", {}), ("tiny-llada", "fast-dllm", {"cache": "d
          ("tiny-llada", "asynclane", {}), ("tiny-dream", "dream", {}),
          ("tiny-dream", "fast-dllm", {"cache": "dual"}), ("tiny-dream", "asynclane", {}),
          ("tiny-llada", "d2f", {}), ("tiny-llada-block-causal", "d2f", {}),
-         ("tiny-llada", "eb", {}), ("tiny-dream-causal", "ar", {})]
+         ("tiny-llada", "eb", {}), ("tiny-dream-causal", "ar", {}),
+         ("tiny-llada-block-causal", "llada2", {})]
 WIDE_CASES = {("tiny-llada", "vanilla"), ("tiny-llada", "asynclane"), ("tiny-dream", "dream"),
               ("tiny-dream", "asynclane")}
 UNSCANNED = {"tiny-llada-block-causal"}  # the scanned check covers d2f on tiny-llada
 # Samplers whose attention the shipped diffusion models were not trained for.
-UNTRAINED = {"d2f", "ar"}
+UNTRAINED = {"d2f", "ar", "llada2"}
 
 
 @functools.cache
