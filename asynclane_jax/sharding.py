@@ -39,8 +39,7 @@ of the tensor axis and the output projection `o_proj` is split by heads as in th
 models. Put ("expert", None) or ("qkv_heads", "tensor") in a rules table to change
 either. The routed experts are computed expert-parallel by `routed_experts` (a
 shard_map over the expert axis; the compiler's own partitioning of the ragged dots
-gathers the experts whole on a TPU), which `SparseMoE` is to call in place of
-`moe.routed_experts`.
+gathers the experts whole on a TPU), which `SparseMoE` calls.
 
 `ShardingPlan` binds a mesh and rules; `use(plan)` makes it the plan that
 `constrain` applies while a decode is traced (no plan: `constrain` does nothing, and a

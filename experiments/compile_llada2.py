@@ -5,24 +5,26 @@ extra): what each chip must hold, and what the expert-parallel layer saves
   python experiments/compile_llada2.py layer --out layer.jsonl
       one mixture-of-experts layer at llada2-mini's shape (256 experts [2048, 512],
       top-8, bfloat16), its routed experts compiled for each LAYER_CASES slice two ways:
-      `moe.routed_experts` left to the compiler's partitioning (what the model calls
-      today) and `sharding.routed_experts` (the shard_map over the expert axis); per-chip
-      sizes, collectives, the shapes the program all-gathers, the grouped-matmul kernels
-      (`ragged_dots`: the TPU compiler's ragged-dot custom calls). Seconds per compile.
+      `moe.routed_experts` left to the compiler's partitioning (what the model called
+      before it called sharding.routed_experts) and `sharding.routed_experts` (the
+      shard_map over the expert axis); per-chip sizes, collectives, the shapes the
+      program all-gathers, the grouped-matmul kernels (`ragged_dots`: the TPU
+      compiler's ragged-dot custom calls). Seconds per compile.
   python experiments/compile_llada2.py rows --out rows.jsonl [--hook] [--layers N]
       [--limit N]
       the whole decode (`aot.compile_for_topology`, as `asynclane-jax aot` builds it) of
       llada2-mini for each row of ROWS not yet in the file, one at a time, appending
-      {"command": ..., "hook": ..., **report}. --hook: with SparseMoE calling
-      sharding.routed_experts (the hook asked of models/model.py, put in place for this
-      process only). --layers N: the preset cut to N layers (timing probes). Each full
-      row takes minutes of CPU and several GiB of host memory.
+      {"command": ..., "hook": ..., **report}. --hook: SparseMoE calling
+      sharding.routed_experts, as the model does; without it, moe.routed_experts (the
+      compiler's partitioning) put in place for this process only. --layers N: the
+      preset cut to N layers (timing probes). Each full row takes minutes of CPU and
+      several GiB of host memory.
   python experiments/compile_llada2.py table --layer layer.jsonl [--rows rows.jsonl]
       the markdown tables of the results page.
 
-Commands of the rows without the hook are `asynclane-jax aot ...` command lines (the
-`command` field); rows with the hook have no command-line equivalent until the model
-calls sharding.routed_experts.
+Commands of the rows with the hook are `asynclane-jax aot ...` command lines (the
+`command` field; the model calls sharding.routed_experts); rows without it have no
+command-line equivalent (the model no longer calls moe.routed_experts itself).
 """
 
 from __future__ import annotations
@@ -59,23 +61,21 @@ def _commit() -> str:
 
 @contextlib.contextmanager
 def hooked(on: bool):
-    """SparseMoE calling sharding.routed_experts while the block runs (when on)."""
-    if not on:
+    """SparseMoE calling sharding.routed_experts (on: as the model does) or, off,
+    moe.routed_experts (the compiler's own partitioning of the ragged dots) while the
+    block runs."""
+    if on:
         yield
         return
-    import types
-
     from asynclane_jax import sharding
-    from asynclane_jax.models import model as model_lib
     from asynclane_jax.models import moe
 
-    saved = model_lib.moe
-    model_lib.moe = types.SimpleNamespace(route=moe.route,
-                                          routed_experts=sharding.routed_experts)
+    saved = sharding.routed_experts
+    sharding.routed_experts = moe.routed_experts
     try:
         yield
     finally:
-        model_lib.moe = saved
+        sharding.routed_experts = saved
 
 
 def layer_case(topology: str, mesh: str, tokens: int, expert_parallel: bool) -> dict:

@@ -380,7 +380,7 @@ class Experts(nnx.Module):
 
 class SparseMoE(nnx.Module):
     """A mixture-of-experts feed-forward layer (LLaDA2): every token goes through its
-    top-k routed experts (`moe.route`, `moe.routed_experts`) and the shared expert."""
+    top-k routed experts (`moe.route`, `sharding.routed_experts`) and the shared expert."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.gate = Router(cfg, rngs=rngs)
@@ -396,7 +396,9 @@ class SparseMoE(nnx.Module):
             flat, self.gate.kernel[...], self.gate.expert_bias[...],
             top_k=cfg.n_experts_per_tok, n_groups=cfg.n_expert_groups,
             topk_groups=cfg.n_topk_groups, scaling=cfg.routed_scaling)
-        y = moe.routed_experts(flat, experts, weights, self.experts.gate_proj[...],
+        # Expert-parallel when a sharding plan splits the experts (each chip its own
+        # experts, one all-reduce); else moe.routed_experts itself.
+        y = sharding.routed_experts(flat, experts, weights, self.experts.gate_proj[...],
                                self.experts.up_proj[...], self.experts.down_proj[...],
                                cfg.jnp_dtype).reshape(x.shape)
         if self.shared_experts is not None:

@@ -4,9 +4,8 @@ axis (expert parallelism), attention as the dense models' (the fused q/k/v kerne
 replicated, the output projection split by heads), the logits equal to the
 single-device ones and the decoded tokens (the llada2 sampler, d2f, which follows the
 model's block-causal attention too, and vanilla) the same; the expert-parallel routed experts
-(`sharding.routed_experts`) equal `moe.routed_experts` and, put in the model where the
-hook asked of models/model.py would put them, give the same logits and tokens without
-gathering an expert kernel. Issue 45 item 4."""
+(`sharding.routed_experts`, which SparseMoE calls) equal `moe.routed_experts` and, in the
+model, give the same logits and tokens without gathering an expert kernel. Issue 45 item 4."""
 
 from __future__ import annotations
 
@@ -185,23 +184,8 @@ def test_expert_parallel_routed_experts(mesh):
     assert not {f"[{E},{d},{m}]", f"[{E},{m},{d}]"} & set(gathered), gathered
 
 
-@pytest.fixture
-def hooked(monkeypatch):
-    """SparseMoE calling sharding.routed_experts instead of moe.routed_experts (the
-    one-line hook asked of models/model.py; simulated here by replacing the module the
-    model reads)."""
-    import types
-
-    from asynclane_jax.models import model as model_lib
-    from asynclane_jax.models import moe
-
-    monkeypatch.setattr(model_lib, "moe", types.SimpleNamespace(
-        route=moe.route, routed_experts=sharding.routed_experts))
-
-
-@pytest.mark.usefixtures("hooked")
 @pytest.mark.parametrize("mesh", ["data=2,tensor=4", "tensor=8"])
-def test_hooked_model_logits_equal_single_device(mesh):
+def test_expert_parallel_model_logits_equal_single_device(mesh):
     model, cfg = tiny()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size - 3, (4, 24)).astype(np.int32)
@@ -224,10 +208,9 @@ def test_hooked_model_logits_equal_single_device(mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("hooked")
-def test_hooked_model_tokens_equal_single_device():
-    """d2f on the 2x4 mesh through the hook gives one device's tokens (a gen_length of
-    its own, so the decode is compiled here, with the hook, not found compiled)."""
+def test_expert_parallel_model_tokens_equal_single_device():
+    """d2f on the 2x4 mesh, the experts expert-parallel, gives one device's tokens (a
+    gen_length of its own, so the decode is compiled here, not found compiled)."""
     model, cfg = tiny()
     rng = np.random.default_rng(2)
     ids = [[int(t) for t in rng.integers(0, cfg.vocab_size - 3, n)] for n in (5, 9, 3)]
