@@ -2,7 +2,7 @@
 
 Subcommands:
   info      parameter counts of a preset or converted folder (no weights allocated)
-  convert   Hugging Face LLaDA / Dream checkpoint -> converted folder (registered by
+  convert   Hugging Face LLaDA / Dream / LLaDA2 checkpoint -> converted folder (registered by
             checkpoints_convert through the `asynclane_jax.commands` entry points)
   verify    check a converted folder's stored arrays against their digests
   generate  decode a prompt with a sampler

@@ -9,8 +9,9 @@ from asynclane_jax.errors import USER_ERRORS
 from checkpoints_convert.convert import OUTPUT_DTYPES, sigterm_as_interrupt
 
 DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint (optionally with a "
-               "PEFT LoRA adapter merged in) into an asynclane-jax folder: streaming, atomic, "
-               "verified.")
+               "PEFT LoRA adapter merged in), or a LLaDA2 mixture-of-experts one "
+               "(llada2_moe: its experts stacked per layer; no LoRA, int8 or stacked "
+               "layers yet), into an asynclane-jax folder: streaming, atomic, verified.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> None:
     """Adds the `convert` subcommand to the asynclane-jax command line (through the
     `asynclane_jax.commands` entry point in pyproject.toml)."""
-    p = subparsers.add_parser("convert", help="Hugging Face LLaDA / Dream checkpoint -> "
+    p = subparsers.add_parser("convert", help="Hugging Face LLaDA / Dream / LLaDA2 checkpoint -> "
                                               "converted folder", description=DESCRIPTION)
     add_arguments(p)
     p.set_defaults(func=run)
