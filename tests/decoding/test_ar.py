@@ -145,3 +145,24 @@ def test_causal_config_rules():
         tiny_dream().replace(causal=True, logit_shift=False)
     with pytest.raises(ConfigError, match="block_causal"):
         tiny_dream().replace(causal=True, block_causal=True)
+
+
+@pytest.mark.slow
+def test_the_shipped_ar_model_answers_held_out_problems():
+    """tiny-ar-v4, the autoregressive baseline of the v4 models, decodes the first 8
+    held-out problems of task set v4 at gen_length 512 with one call per token and
+    answers them all (its card: the 500-problem figures)."""
+    import asynclane_jax as aj
+    from asynclane_jax.testbed import evaluate as ev
+    from asynclane_jax.testbed import tasks
+
+    model, tok, cfg = aj.load("tiny-ar-v4")
+    assert cfg.causal and cfg.logit_shift and tasks.model_task_set("tiny-ar-v4") == "v4"
+    problems = tasks.heldout(8, "v4")
+    res = generate(model, ev.prompts_for(problems), sampler="ar", gen_length=512)
+    assert not np.any(res.tokens == cfg.mask_token_id)
+    assert all(tasks.check(p, row) for p, row in zip(problems, res.tokens))
+    # One call per generated token before the end-of-text (the prompt's call commits
+    # the first), never more.
+    lengths = np.argmax(np.asarray(res.tokens) == cfg.eos_token_id, axis=1) + 1
+    np.testing.assert_array_equal(res.stats.row_steps, lengths)
