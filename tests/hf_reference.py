@@ -276,3 +276,18 @@ def reference(hf: dict, tensors: dict[str, torch.Tensor]):
 
 def reference_logits(hf: dict, tensors: dict[str, torch.Tensor], tokens, **kwargs) -> np.ndarray:
     return verify.reference_logits(reference(hf, tensors), np.asarray(tokens), **kwargs)
+
+
+# --------------------------------------------------------------------------- converting
+
+# A probe sequence for comparing a converted model's logits with the reference's.
+TOKENS = np.array([[5, 17, 3, 42, 8, 63, 63, 63, 63, 1, 29, 11]], np.int32)
+
+
+def convert_cli(capsys, *argv):
+    """`asynclane-jax convert ARGV --no-progress`: (exit status, stdout, stderr)."""
+    from asynclane_jax.cli import main
+
+    rc = main(["convert", *map(str, argv), "--no-progress"])
+    out = capsys.readouterr()
+    return rc, out.out, out.err

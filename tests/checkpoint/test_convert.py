@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from hostile import leftovers
 
 from asynclane_jax import load
 from asynclane_jax.cli import main
@@ -26,7 +27,7 @@ from checkpoints_convert.names import ConvertError, expected_sources, plan
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-TOKENS = np.array([[5, 17, 3, 42, 8, 63, 63, 63, 63, 1, 29, 11]], np.int32)
+TOKENS = H.TOKENS
 
 
 @nnx.jit
@@ -34,10 +35,7 @@ def forward(model, tokens):
     return model(tokens)
 
 
-def run_cli(capsys, *argv):
-    rc = main(["convert", *map(str, argv), "--no-progress"])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
+run_cli = H.convert_cli
 
 
 def assert_matches_reference(dst, hf, tensors, tol=1e-4):
@@ -47,10 +45,6 @@ def assert_matches_reference(dst, hf, tensors, tol=1e-4):
     want = H.reference_logits(hf, tensors, TOKENS)
     assert np.max(np.abs(ours - want)) <= tol
     return model
-
-
-def leftovers(parent: pathlib.Path):
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
 # --------------------------------------------------------------------------- layouts

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from hostile import leftovers
 
 from asynclane_jax import load
 from asynclane_jax.checkpoint.verify import verify_folder
-from asynclane_jax.cli import main
 from checkpoints_convert import convert as conv
 from checkpoints_convert.export import hf_tensors
 
@@ -33,7 +33,7 @@ _spec = importlib.util.spec_from_file_location(
 R = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(R)
 
-TOKENS = np.array([[5, 17, 3, 42, 8, 63, 63, 63, 63, 1, 29, 11]], np.int32)
+TOKENS = H.TOKENS
 
 
 @nnx.jit
@@ -41,14 +41,7 @@ def forward(model, tokens):
     return model(tokens)
 
 
-def run_cli(capsys, *argv):
-    rc = main(["convert", *map(str, argv), "--no-progress"])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def leftovers(parent: pathlib.Path):
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+run_cli = H.convert_cli
 
 
 def snapshot(folder, hf=None, tensors=None, *, shards=3, dtype=torch.float32):
