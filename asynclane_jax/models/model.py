@@ -399,8 +399,8 @@ class SparseMoE(nnx.Module):
         # Expert-parallel when a sharding plan splits the experts (each chip its own
         # experts, one all-reduce); else moe.routed_experts itself.
         y = sharding.routed_experts(flat, experts, weights, self.experts.gate_proj[...],
-                               self.experts.up_proj[...], self.experts.down_proj[...],
-                               cfg.jnp_dtype).reshape(x.shape)
+                                    self.experts.up_proj[...], self.experts.down_proj[...],
+                                    cfg.jnp_dtype).reshape(x.shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
