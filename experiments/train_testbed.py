@@ -6,6 +6,7 @@
   python experiments/train_testbed.py --model tiny-llada --task-set v2 --minutes 75 \
       --init-from tiny-llada
   python experiments/train_testbed.py --objective causal --task-set v4 --minutes 85
+  python experiments/train_testbed.py --objective block --task-set v4 --minutes 80
 
 Checkpoints (resumable: rerun the same command) go under runs/<name>/; the loss curve
 and the JSON log go to experiments/results/testbed/testbed_<name>.{png,json}; the final model is
@@ -33,9 +34,14 @@ def main(argv=None):
                          "math, code and the long walk and table families (name <model>-v3); "
                          "v4: v3 with the labels of walk and table counting down to (1) "
                          "(name <model>-v4)")
-    ap.add_argument("--objective", choices=["diffusion", "causal"], default="diffusion",
+    ap.add_argument("--objective", choices=["diffusion", "causal", "block"],
+                    default="diffusion",
                     help="causal: the autoregressive baseline tiny-ar-v4 (task set v4 only; "
-                         "next-token loss, causal attention, monitored with the ar sampler)")
+                         "next-token loss, causal attention, monitored with the ar "
+                         "sampler); block: the LLaDA2-style mixture-of-experts model "
+                         "tiny-llada2-v4 (task set v4 only; block-diffusion loss, "
+                         "block-causal attention, monitored with the llada2 sampler; "
+                         "--model and --init-from do not apply)")
     ap.add_argument("--minutes", type=float, default=55.0, help="wall-clock training budget")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count instead")
     ap.add_argument("--lr", type=float, default=None)
@@ -99,6 +105,11 @@ def main(argv=None):
             ap.error(f"--objective causal: the autoregressive baseline is trained on the "
                      f"task set v4 (--task-set v4), not {args.task_set}")
         long_configs["v4"] = train.ar_v4_config
+    if args.objective == "block":
+        if args.task_set != "v4" or args.init_from:
+            ap.error("--objective block: the LLaDA2-style model is trained from scratch on "
+                     "the task set v4 (--task-set v4, no --init-from)")
+        long_configs["v4"] = lambda family, **changes: train.llada2_v4_config(**changes)
     if args.task_set in long_configs:
         config = long_configs[args.task_set]
 

@@ -245,7 +245,9 @@ def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementat
       q: [b, Q, H, h]; k, v: [b, T, K, h] (H a multiple of K).
       key_mask: [b, T] bool, False for keys no query may attend (padding); None: all.
       q_block, k_block: [b, Q] and [b, T] int block ids; when given, a query attends only
-        to keys whose block id is <= its own.
+        to keys whose block id is <= its own. Ids of shape [b, Q, n] and [b, T, n] are n
+        orders at once: a query attends to a key whose every id is <= its own (the
+        block-diffusion training canvas, `testbed.train.block_diffusion_ids`).
       implementation: one of ATTENTION_IMPLEMENTATIONS (None: "auto").
     Returns:
       [b, Q, H, h] in q's dtype.
@@ -254,7 +256,10 @@ def attention(q, k, v, *, key_mask=None, q_block=None, k_block=None, implementat
     if key_mask is not None:
         mask = key_mask[:, None, None, :]  # [b, 1, 1, T]
     if q_block is not None:
-        causal = (k_block[:, None, :] <= q_block[:, :, None])[:, None]  # [b, 1, Q, T]
+        causal = k_block[:, None, :] <= q_block[:, :, None]  # [b, Q, T(, n)]
+        if causal.ndim == 4:
+            causal = jnp.all(causal, axis=-1)
+        causal = causal[:, None]  # [b, 1, Q, T]
         mask = causal if mask is None else mask & causal
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     impl = resolve_attention(implementation, q.dtype)
@@ -462,8 +467,10 @@ class Block(nnx.Module):
             x = jnp.take_along_axis(x, out_rows[:, :, None], axis=1)
             q = jnp.take_along_axis(q, out_rows[:, :, None, None], axis=1)
             if attention_kw.get("q_block") is not None:
+                q_block = attention_kw["q_block"]
+                index = out_rows if q_block.ndim == 2 else out_rows[:, :, None]
                 attention_kw = dict(attention_kw, q_block=jnp.take_along_axis(
-                    attention_kw["q_block"], out_rows, axis=1))
+                    q_block, index, axis=1))
         return self(x, q, k, v, **attention_kw), cache
 
 

@@ -42,6 +42,14 @@ def _objective(tc: dict) -> str:
                 "whole canvas, cross-entropy of each answer token and of the first "
                 "end-of-text from the output one column before; decoded by the `ar` "
                 "sampler)")
+    if tc.get("objective") == "block":
+        return (f"Block diffusion (LLaDA2's objective: blocks of {tc.get('block_length', 32)} "
+                "columns from each row's first prompt token; each block draws its own "
+                "t ~ U(ε, 1] and masks its response tokens with probability t; the model "
+                "reads the noisy canvas and a clean copy at the same positions, a noisy "
+                "block attending to itself and to the clean blocks before it; "
+                "cross-entropy on masked tokens weighted 1/t, the response region padded "
+                "with end-of-text to its end; decoded by the `llada2` sampler)")
     return ("Masked diffusion (LLaDA's objective: t ~ U(ε, 1], each response token masked "
             "with probability t, cross-entropy on masked tokens weighted 1/t, the response "
             "region padded with end-of-text to its end)")
@@ -190,12 +198,15 @@ TASK_SECTIONS = {"v1": _v1_task, **{name: functools.partial(_long_task, name)
 
 def train_command(tc: dict) -> str:
     """The experiments/train_testbed.py command that trains a run of this config."""
-    base = "tiny-llada" if tc["family"] == "llada" else "tiny-dream"
-    causal = tc.get("objective", "diffusion") == "causal"
-    flags = [f"--model {base}"] + (["--objective causal"] if causal else []) + [
+    base = "tiny-llada" if tc["family"] in ("llada", "llada2") else "tiny-dream"
+    objective = tc.get("objective", "diffusion")
+    causal = objective == "causal"
+    flags = ([f"--model {base}"] if objective != "block" else []) + (
+        [f"--objective {objective}"] if objective != "diffusion" else []) + [
         f"--minutes {tc['minutes']:g}"]
     task_set = tc.get("task_set", "v1")
-    default = "tiny-ar-v4" if causal else base if task_set == "v1" else f"{base}-{task_set}"
+    default = ("tiny-ar-v4" if causal else "tiny-llada2-v4" if objective == "block"
+               else base if task_set == "v1" else f"{base}-{task_set}")
     if tc["name"] != default:
         flags.append(f"--name {tc['name']}")
     from asynclane_jax.testbed.train import TrainConfig
@@ -280,7 +291,16 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
     attention = ("grouped-query attention" if m["n_kv_heads"] < m["n_heads"]
                  else "multi-head attention")
     causal = bool(m.get("causal"))
-    if causal:
+    if m["family"] == "llada2":
+        groups = (f", top-{m['n_experts_per_tok']} of the best {m['n_topk_groups']} of "
+                  f"{m['n_expert_groups']} groups" if m["n_expert_groups"] > 1 else
+                  f", top-{m['n_experts_per_tok']}")
+        family = (f"LLaDA2-style: {attention} with QK-norm, RoPE on {m['rotary_dim']} of "
+                  f"{m['head_dim']} channels per head, no biases, block-causal attention; "
+                  f"the first {m['first_dense_layers']} layer(s) dense, then mixtures of "
+                  f"{m['n_experts']} experts{groups}, {m['n_shared_experts']} shared, "
+                  f"sigmoid routing scaled by {m['routed_scaling']:g}")
+    elif causal:
         family = (f"{attention}, {bias}, causal attention, next-token logits (the token at "
                   "position i is read from the output at i - 1), the size of the "
                   f"{'LLaDA' if m['family'] == 'llada' else 'Dream'}-style testbed models")
@@ -289,7 +309,9 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
                   if m["family"] == "llada" else
                   f"Dream-style: {attention}, {bias}, shifted logits "
                   "(the token at position i is read from the output at i - 1)")
-    kind = "autoregressive language model" if causal else "masked-diffusion language model"
+    kind = ("autoregressive language model" if causal else
+            "block-diffusion mixture-of-experts language model" if m["family"] == "llada2"
+            else "masked-diffusion language model")
     out = [f"# {name}", "",
            f"A tiny {kind} ({family}) trained "
            + (f"from `{tc['init_from']}` (a warm start: its weights, see Training) "
@@ -306,7 +328,9 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
            f"| layers × width | {m['n_layers']} × {m['d_model']} |",
            f"| heads (query / key-value) × head dim | {m['n_heads']} / {m['n_kv_heads']} × "
            f"{m['head_dim']} |",
-           f"| MLP (SwiGLU) hidden | {m['mlp_hidden']} |",
+           f"| MLP (SwiGLU) hidden | {m['mlp_hidden']} |" if m["family"] != "llada2" else
+           f"| MLP (SwiGLU) hidden | dense layers {m['mlp_hidden']}; each expert "
+           f"{m['moe_hidden']}, shared {m['moe_hidden'] * m['n_shared_experts']} |",
            f"| vocabulary | {m['vocab_size']} (mask {m['mask_token_id']}, "
            f"eos = pad {m['eos_token_id']}) |",
            f"| max sequence length | {m['max_seq_len']} |", "",
@@ -347,6 +371,11 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
                    "low-confidence remasking, greedy. "] if "vanilla" in samplers else []),
             *(["ar: greedy, left to right, one position per model call with a K/V cache, "
                "ending at the first end-of-text. "] if "ar" in samplers else []),
+            *(["llada2: LLaDA2.0's block diffusion, greedy: blocks of 32 from the first "
+               "prompt token, each decoded in up to 32 steps that commit every mask above "
+               "the threshold (0.95 unless given), at least one; a finished block's K/V "
+               "cached; the row ends after a block holding end-of-text. "]
+              if "llada2" in samplers else []),
             "Model calls per token count a row's model calls over its tokens before "
             "end-of-text.", ""]
     mon = log.get("evals") or []

@@ -23,6 +23,16 @@ i - 1 scoring the token at i, over the answer and its first end-of-text (the tai
 it is never decoded: the `ar` sampler stops there). The model config says `causal` and
 shifts its logits, and the monitor decodes with `ar`.
 
+Block-diffusion variant (`TrainConfig.objective = "block"`, the LLaDA2-style
+mixture-of-experts model tiny-llada2-v4): blocks of `block_length` columns laid out from
+each row's first prompt token, as the `llada2` sampler lays them out. Each (row, block)
+draws its own t and masks its response tokens with that probability; the model reads a
+doubled canvas, the noisy copy then the clean one at the same RoPE positions, where a
+noisy block sees itself and the clean copies of the blocks before it, and a clean block
+sees the clean blocks up to its own (`block_diffusion_ids`): every block is trained in
+one forward exactly as the sampler will see it, its prefix finished. The loss is the
+masked-diffusion one over the noisy copy.
+
 Cost is dominated by canvas length, so most batches use a short response region and a
 minority long ones (256, 512) with fewer rows, keeping tokens per step roughly constant:
 the long batches teach EOS at far positions and a canvas mostly made of masks.
@@ -44,12 +54,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from asynclane_jax.models.config import ModelConfig
+from asynclane_jax.models.config import LLaDA2Config, ModelConfig
 from asynclane_jax.models.model import DiffusionLM
 from asynclane_jax.testbed import tasks
 from asynclane_jax.testbed import tokenizer as tok
 
-OBJECTIVES = ("diffusion", "causal")
+OBJECTIVES = ("diffusion", "causal", "block")
 
 
 @dataclasses.dataclass
@@ -121,6 +131,13 @@ class TrainConfig:
     # causal attention: an autoregressive model, decoded by the `ar` sampler; the
     # mask-ratio curriculum does not apply).
     objective: str = "diffusion"
+    # The block-diffusion objective's block length (the `llada2` sampler's).
+    block_length: int = 32
+    # Family "llada2": the LLaDA2Config fields of the mixture-of-experts layers (n_experts,
+    # n_experts_per_tok, moe_hidden, n_shared_experts, first_dense_layers,
+    # n_expert_groups, n_topk_groups, routed_scaling, rotary_dim); mlp_hidden is then the
+    # dense layers' width.
+    moe: dict | None = None
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -129,6 +146,16 @@ class TrainConfig:
             raise ValueError(f"objective={self.objective!r} with eval_sampler="
                              f"{self.eval_sampler!r}: a causal model is monitored with "
                              "the ar sampler, and only a causal model can be")
+        block = (self.objective == "block", self.family == "llada2",
+                 self.eval_sampler == "llada2", self.moe is not None)
+        if any(block) and not all(block):
+            raise ValueError(f"objective={self.objective!r}, family={self.family!r}, "
+                             f"eval_sampler={self.eval_sampler!r}, moe given: "
+                             f"{self.moe is not None}: the block-diffusion objective "
+                             "trains a llada2 mixture-of-experts model, monitored with the "
+                             "llada2 sampler, and nothing else does")
+        if all(block) and self.qkv_bias:
+            raise ValueError("qkv_bias=True: a llada2 model has no q/k/v biases")
 
     @property
     def causal(self) -> bool:
@@ -137,6 +164,14 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         dream = self.family == "dream"
         bias = dream if self.qkv_bias is None else self.qkv_bias
+        if self.family == "llada2":
+            return LLaDA2Config(
+                family="llada2", vocab_size=tok.vocab_size(), d_model=self.d_model,
+                n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, rope_theta=10000.0,
+                norm_eps=1e-6, tie_embeddings=False, max_seq_len=self.max_seq_len,
+                dtype="float32", param_dtype="float32", block_causal=True,
+                **tok.special_ids(), **self.moe)
         return ModelConfig(
             family=self.family, vocab_size=tok.vocab_size(), d_model=self.d_model,
             n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
@@ -246,6 +281,26 @@ def ar_v4_config(family: str = "llada", **changes) -> TrainConfig:
     return dataclasses.replace(base, **{**ar, **changes})
 
 
+# tiny-llada2-v4's mixture-of-experts layers: LLaDA2.0-mini's structure at the testbed's
+# size (the first layer dense, then 8 experts of width 64 in 4 groups, top-2 of the best
+# 2 groups, one shared expert, sigmoid routing scaled by 2.5, half-rotary heads).
+LLADA2_V4_MOE = {"n_experts": 8, "n_experts_per_tok": 2, "moe_hidden": 64,
+                 "n_shared_experts": 1, "first_dense_layers": 1, "n_expert_groups": 4,
+                 "n_topk_groups": 2, "routed_scaling": 2.5, "rotary_dim": 8}
+
+
+def llada2_v4_config(**changes) -> TrainConfig:
+    """tiny-llada2-v4: a LLaDA2-style block-diffusion mixture-of-experts model of the task
+    set v4 (v4_config's buckets and monitors; GQA 4/2 heads of 16 as LLaDA2's 16/4;
+    LLADA2_V4_MOE), trained with the block-diffusion objective and monitored with the
+    `llada2` sampler."""
+    base = v4_config("llada")
+    llada2 = dict(name="tiny-llada2-v4", family="llada2", objective="block",
+                  eval_sampler="llada2", n_kv_heads=2, qkv_bias=False,
+                  moe=dict(LLADA2_V4_MOE))
+    return dataclasses.replace(base, **{**llada2, **changes})
+
+
 def v2_config(family: str = "llada", **changes) -> TrainConfig:
     """A model of the task set v2: the long families need a 144-token prompt bucket and
     a 1024-token generation (max_seq_len 1168) and train with V2_BUCKETS; monitors use
@@ -264,25 +319,28 @@ def make_batch(stream, rows: int, region: int, prompt_length: int, rng: np.rando
 
     Returns:
       dict of numpy arrays: tokens [b, T], key_mask [b, T] (False on padding keys),
-      response [b, T] (True on the response region, answer and EOS tail alike).
+      response [b, T] (True on the response region, answer and EOS tail alike), start [b]
+      (each row's first prompt column).
     """
     eos = tok.special_ids()["eos_token_id"]
     total = prompt_length + region
     tokens = np.full((rows, total), eos, np.int32)
     key_mask = np.ones((rows, total), bool)
+    start = np.zeros(rows, np.int32)
     for i in range(rows):
         p = next(stream)
         prompt, resp = tok.prompt_ids(p.prompt), tok.encode(p.response)
         if len(prompt) > prompt_length or len(resp) >= region:
             raise ValueError(f"problem does not fit: prompt {len(prompt)} > {prompt_length} "
                              f"or response {len(resp)} >= {region}")
-        tokens[i, prompt_length - len(prompt):prompt_length] = prompt
+        start[i] = prompt_length - len(prompt)
+        tokens[i, start[i]:prompt_length] = prompt
         tokens[i, prompt_length:prompt_length + len(resp)] = resp
         if rng.random() >= attended_pad_frac:
             key_mask[i, :prompt_length - len(prompt)] = False
     response = np.zeros((rows, total), bool)
     response[:, prompt_length:] = True
-    return {"tokens": tokens, "key_mask": key_mask, "response": response}
+    return {"tokens": tokens, "key_mask": key_mask, "response": response, "start": start}
 
 
 def sample_batch(stream, regions, prompt_length: int, rng: np.random.Generator,
@@ -459,6 +517,62 @@ def causal_loss(model: DiffusionLM, batch: dict):
                   "mask_frac": jnp.sum(scored) / jnp.sum(response)}
 
 
+def block_diffusion_ids(blocks):
+    """Block ids of the doubled training canvas [noisy; clean] for `attention`'s
+    two-order form, from the block of every column [b, T] (pad columns negative).
+
+    A key is visible when both of its ids are <= the query's:
+      noisy column of block j: (j, -j), so a noisy query of block i sees the noisy keys of
+        block i only;
+      clean column of block j: key (j + 1, -BIG), so a noisy query of block i sees the
+        clean blocks j < i; query (j + 1, -BIG), so a clean query sees the clean blocks
+        up to its own and no noisy key (-j > -BIG).
+
+    Returns:
+      [b, 2T, 2] int32.
+    """
+    big = blocks.shape[1] + 1
+    noisy = jnp.stack([blocks, -blocks], axis=-1)
+    clean = jnp.stack([blocks + 1, jnp.full_like(blocks, -big)], axis=-1)
+    return jnp.concatenate([noisy, clean], axis=1)
+
+
+def block_diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3,
+                         t_max: float | jax.Array = 1.0, block_length: int = 32):
+    """The block-diffusion loss (module docstring): per (row, block) t ~ U(t_eps, t_max],
+    response tokens masked with that probability, every block scored in one forward over
+    [noisy; clean] with its finished prefix in view; sum of CE / t over masked positions,
+    divided by the number of response tokens.
+
+    Returns:
+      (loss, aux) as `diffusion_loss`.
+    """
+    cfg = model.cfg
+    tokens, response, key_mask = batch["tokens"], batch["response"], batch["key_mask"]
+    b, n = tokens.shape
+    cols = jnp.arange(n, dtype=jnp.int32)[None, :]
+    blocks = jnp.floor_divide(cols - batch["start"][:, None], block_length)  # [b, n]
+    k_t, k_m = jax.random.split(key)
+    n_blocks = n // block_length + 2
+    t_block = t_eps + (t_max - t_eps) * jax.random.uniform(k_t, (b, n_blocks))
+    t = jnp.take_along_axis(t_block, jnp.clip(blocks, 0, n_blocks - 1), axis=1)  # [b, n]
+    masked = response & (jax.random.uniform(k_m, (b, n)) < t)
+    noisy = jnp.where(masked, cfg.mask_token_id, tokens)
+    positions = jnp.broadcast_to(cols, (b, n))
+    logits = model(jnp.concatenate([noisy, tokens], axis=1),
+                   positions=jnp.concatenate([positions, positions], axis=1),
+                   key_mask=jnp.concatenate([key_mask, key_mask], axis=1),
+                   block_ids=block_diffusion_ids(blocks),
+                   logits_index=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    m = masked.astype(jnp.float32)
+    loss = jnp.sum(ce * m / t) / jnp.sum(response)
+    correct = (jnp.argmax(logits, -1) == tokens).astype(jnp.float32)
+    acc = jnp.sum(correct * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
+                  "mask_frac": jnp.sum(m) / jnp.sum(response)}
+
+
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """AdamW without its own learning rate: the step multiplies by lr (set per step from
     the wall-clock schedule, so a time budget always ends with a finished cosine)."""
@@ -499,11 +613,15 @@ def max_lines_at(tc: TrainConfig, progress: float) -> int:
     return int(round(start + (most - start) * frac))
 
 
-def make_train_step(graphdef, tx, t_eps: float, objective: str = "diffusion") -> Callable:
+def make_train_step(graphdef, tx, t_eps: float, objective: str = "diffusion",
+                    block_length: int = 32) -> Callable:
     def step(params, opt_state, batch, key, lr, t_max=1.0):
         def f(p):
             if objective == "causal":
                 return causal_loss(nnx.merge(graphdef, p), batch)
+            if objective == "block":
+                return block_diffusion_loss(nnx.merge(graphdef, p), batch, key, t_eps, t_max,
+                                            block_length)
             return diffusion_loss(nnx.merge(graphdef, p), batch, key, t_eps, t_max)
 
         (loss, aux), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -519,7 +637,8 @@ def make_train_step(graphdef, tx, t_eps: float, objective: str = "diffusion") ->
 def monitor(model: DiffusionLM, problems: list[tasks.Problem], *, gen_length: int,
             prompt_length: int, sampler: str = "vanilla") -> dict:
     """Exact-match and per-line accuracy of greedy decoding: vanilla (steps =
-    gen_length), Fast-dLLM (its defaults: threshold 0.9) or, for a causal model, ar."""
+    gen_length), Fast-dLLM (its defaults: threshold 0.9), for a causal model ar, or for
+    a LLaDA2-style model llada2 (its defaults: blocks of 32, threshold 0.95)."""
     from asynclane_jax.decoding import generate
 
     block = 32 if gen_length % 32 == 0 else gen_length
@@ -606,7 +725,8 @@ class Trainer:
         self.graphdef, self.params = nnx.split(DiffusionLM(self.cfg, rngs=nnx.Rngs(tc.seed)))
         self.tx = make_optimizer(tc)
         self.opt_state = self.tx.init(self.params)
-        self.step_fn = make_train_step(self.graphdef, self.tx, tc.t_eps, tc.objective)
+        self.step_fn = make_train_step(self.graphdef, self.tx, tc.t_eps, tc.objective,
+                                       tc.block_length)
         self.step = 0
         self.elapsed = 0.0  # training seconds, across resumes
         self.history: list[dict] = []
