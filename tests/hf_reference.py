@@ -154,6 +154,23 @@ def to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.float().numpy() for k, v in tensors.items()}
 
 
+def ours_from(hf: dict, tensors: dict[str, torch.Tensor]):
+    """Our model of a Hugging Face config.json holding exactly `tensors` through the
+    converter's table (no random init: every leaf is replaced), in float32."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from asynclane_jax.models import abstract_model, from_hf_config
+    from checkpoints_convert.convert import params_from_tensors
+
+    cfg = from_hf_config(hf, dtype="float32")
+    graphdef, state = nnx.split(abstract_model(cfg))
+    params = params_from_tensors(cfg, to_numpy(tensors))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
+
+
 def write_tokenizer(folder: pathlib.Path, vocab_size: int) -> None:
     """A tiny word-level tokenizer.json + tokenizer_config.json (no remote code)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import hf_reference as H
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,14 +24,12 @@ from asynclane_jax.cli import main
 from asynclane_jax.models import (
     ConfigError,
     ModelConfig,
-    abstract_model,
     from_hf_config,
     param_stats,
     preset,
 )
 from asynclane_jax.models import moe as moe_lib
 from asynclane_jax.models.config import LLADA2_FIELDS, LLaDA2Config, n_params
-from checkpoints_convert.convert import params_from_tensors
 from checkpoints_convert.names import expected_sources
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -185,15 +184,6 @@ def test_route_matches_the_reference_gate():
 
 # --------------------------------------------------------------------------- parity
 
-def ours_from(hf, tensors):
-    """Our model holding exactly `tensors` (every leaf replaced)."""
-    cfg = from_hf_config(hf, dtype="float32")
-    graphdef, state = nnx.split(abstract_model(cfg))
-    params = params_from_tensors(cfg, R.to_numpy(tensors))
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    return nnx.merge(graphdef, state)
-
-
 @nnx.jit
 def forward(model, tokens, block_ids=None, key_mask=None):
     return model(tokens, block_ids=block_ids, key_mask=key_mask)
@@ -247,7 +237,7 @@ def _build(name):
         overrides, weights = CASES[name]
         hf = R.hf_config(**overrides)
         tensors = weights(hf)
-        _BUILT[name] = (hf, tensors, ours_from(hf, tensors))
+        _BUILT[name] = (hf, tensors, H.ours_from(hf, tensors))
     return _BUILT[name]
 
 

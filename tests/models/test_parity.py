@@ -17,9 +17,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from asynclane_jax.models import abstract_model, from_hf_config
-from checkpoints_convert.convert import params_from_tensors
-
 jax.config.update("jax_default_matmul_precision", "highest")
 
 TOL = 1e-4
@@ -31,15 +28,6 @@ CASES = {
     "dream": H.dream_hf_config(),  # GQA (4 query / 2 kv heads) with q/k/v biases
     "dream-tied": H.dream_hf_config(tie_word_embeddings=True, num_key_value_heads=1),
 }
-
-
-def ours_from(hf, tensors):
-    """Our model holding exactly `tensors` (no random init: every leaf is replaced)."""
-    cfg = from_hf_config(hf, dtype="float32")
-    graphdef, state = nnx.split(abstract_model(cfg))
-    params = params_from_tensors(cfg, H.to_numpy(tensors))
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    return nnx.merge(graphdef, state)
 
 
 # Jitted entry points: one compile per shape instead of op-by-op dispatch.
@@ -65,7 +53,7 @@ def _build(name):
     if name not in _BUILT:
         hf = CASES[name]
         tensors = H.random_tensors(hf, seed=len(name))
-        _BUILT[name] = (name, hf, tensors, H.reference(hf, tensors), ours_from(hf, tensors))
+        _BUILT[name] = (name, hf, tensors, H.reference(hf, tensors), H.ours_from(hf, tensors))
     return _BUILT[name]
 
 
@@ -124,7 +112,7 @@ def test_check_fails_when_one_weight_is_perturbed(family_case):
     w = perturbed[key].clone()
     w[3, 5] += 0.05
     perturbed[key] = w
-    diff, _ = max_diff(ours_from(hf, perturbed), ref, tokens_for(hf))
+    diff, _ = max_diff(H.ours_from(hf, perturbed), ref, tokens_for(hf))
     print(f"\n{name}: one up_proj entry +0.05 -> max |logit diff| = {diff:.3g}")
     assert diff > 10 * TOL
 
