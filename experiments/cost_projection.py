@@ -56,7 +56,7 @@ def project_file(path: pathlib.Path, chips) -> dict:
     if missing:
         raise SystemExit(f"{path}: rows without recorded calls (made before the calls "
                          f"were recorded?): {missing}")
-    family = "dream" if "dream" in data["meta"]["model"] else "llada"
+    family = project.family_of_name(data["meta"]["model"])  # llada2, dream or llada
     cfg = project.project_model_config(None, family)
     project.add_projections(rows, chips, cfg)
     compare.add_speedups(rows)  # the CPU's own comparison
@@ -106,8 +106,9 @@ def markdown(results: list[dict], labels: list[str], command: str) -> str:
              " **Projections, not measurements** (except the `cpu` columns): each row's "
              "model calls, as the tiny testbed model made them on the CPU (same calls, same "
              "canvas, same batch), priced as the same calls of the 8B LLaDA preset "
-             "(`llada-8b-instruct`) or the 7B Dream preset (`dream-7b-instruct`) on the "
-             "chip's roofline (`asynclane_jax.costs`, docs/costs.md): v5e with int8 weights "
+             "(`llada-8b-instruct`), the 7B Dream preset (`dream-7b-instruct`) or, for "
+             "a LLaDA2-style model, `llada2-mini` on the chip's roofline "
+             "(`asynclane_jax.costs`, docs/costs.md): v5e with int8 weights "
              "(the bfloat16 8B does not fit one v5e's 16 GiB), v6e and H200 with bfloat16. "
              "`cpu tok/s` is what the bench measured on this 2-core CPU (other jobs shared "
              "it during these runs: read its ratios, which are interleaved, more than its "

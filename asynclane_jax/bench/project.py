@@ -3,7 +3,8 @@
 
 A projection is not a measurement. It prices every call shape of the decodes the bench
 timed on this machine as the same call of a real preset (by default the 8B LLaDA preset
-for LLaDA-style models, the 7B Dream preset for Dream-style ones) on a chip's roofline,
+for LLaDA-style models, the 7B Dream preset for Dream-style ones, LLaDA2-mini for
+LLaDA2-style mixture-of-experts ones) on a chip's roofline,
 so the samplers keep the tiny model's decisions (which calls, how many) and take the
 large model's cost per call. `cpu` prices them instead on this machine (`CpuCosts`):
 each call shape of the bench's own model timed (asynclane_jax.costs.measure), plus the
@@ -22,7 +23,19 @@ WEIGHTS = ("bf16", "int8")
 # The weights a chip is projected with when the spec names none: the 8B preset's
 # bfloat16 weights do not fit one v5e chip's memory, so v5e runs it in int8.
 DEFAULT_WEIGHTS = {"v5e": "int8"}
-DEFAULT_PROJECT_MODELS = {"llada": "llada-8b-instruct", "dream": "dream-7b-instruct"}
+DEFAULT_PROJECT_MODELS = {"llada": "llada-8b-instruct", "dream": "dream-7b-instruct",
+                          "llada2": "llada2-mini"}
+
+
+def family_of_name(name: str) -> str:
+    """The family a bench's model name points to (its key in DEFAULT_PROJECT_MODELS),
+    for a bench file that records the model's name, not its config: "llada2" when the
+    name holds "llada2" (checked first: such a name holds "llada" too), "dream" when it
+    holds "dream", else "llada"; case ignored."""
+    name = str(name).lower()
+    if "llada2" in name:
+        return "llada2"
+    return "dream" if "dream" in name else "llada"
 
 
 def parse_chips(text: str) -> list[tuple[str, str]]:

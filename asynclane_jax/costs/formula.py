@@ -40,6 +40,35 @@ Bytes are what one call reads from and writes to HBM, each array once:
 * the call's own inputs (token ids, positions, write and logits indices, key mask) and
   its float32 logits.
 
+A LLaDA2 (mixture-of-experts) config (`LLaDA2Config`) is priced layer by layer: its
+first `first_dense_layers` layers as the dense SwiGLU above (width `mlp_hidden`), every
+later one as a mixture-of-experts layer (`SparseMoE`):
+* FLOPs per token: the router (2 x d x E), the shared expert (a SwiGLU of width
+  moe_hidden x n_shared_experts) and top-k routed experts (k x one expert's SwiGLU of
+  width moe_hidden): the routed FLOPs grow with k, not with E;
+* weight bytes: the router's kernel and expert_bias, the shared expert's kernels, and
+  the routed experts' kernels of the experts the call reads. A call of N tokens through
+  the layer reads each expert at least one of its tokens chose. Under UNIFORM routing
+  (each token's k experts a uniform draw of k of the E, tokens independent) the
+  expected number of distinct experts is E x (1 - (1 - k/E)^N) (`expected_experts`):
+  exact for N = 1 (k experts), an estimate otherwise. Real routing is skewed toward
+  some experts, so a real call reads fewer distinct experts than this;
+* activations: the router's input and its float32 scores and the chosen experts and
+  weights, the shared expert's as the dense SwiGLU's, the k rows per token gathered
+  for the routed experts (written once, read by gate and up), their hidden states
+  (k per token: gate's and up's outputs, read by down), down's k rows (read by the
+  weighted sum) and the sum itself.
+The fused q/k/v projection has the matmul sizes of separate q, k and v (no biases);
+the QK-norm is elementwise (left out as the other norms, its scales counted in
+`bytes_other`), and partial rotary changes nothing counted. int8 weights price the
+expert kernels at one byte a value plus a float32 scale per output channel, as the
+dense kernels; the router stays in the parameter dtype. int8 is not built for a
+mixture-of-experts model yet (`aot` refuses it): its price is what it would move.
+The whole feed-forward of a layer (router, shared and routed experts) is in the MLP
+fields (`flops_mlp`, `bytes_mlp`, what a slice divides: the experts are split
+expert-parallel on the tensor axis); `flops_experts`, `bytes_experts` and
+`experts_read` say how much of it the routed experts are.
+
 Each part is a field of `CallCost`, so a slice can divide what it shards
 (`asynclane_jax.costs.roofline`).
 """
@@ -47,6 +76,7 @@ Each part is a field of `CallCost`, so a slice can divide what it shards
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from asynclane_jax.costs.chips import CostError
 from asynclane_jax.decoding.stats import CallShape
@@ -88,6 +118,12 @@ class CallCost:
         attention's and the MLP's outputs summed across the chips).
       allreduce_bytes: their payload, every all-reduce together (the [tokens, d]
         outputs in the compute dtype).
+      moe_layers, experts: a mixture-of-experts config's expert layers and routed
+        experts per layer, E (0 for a dense config).
+      experts_read: the expected distinct routed experts the call reads, every expert
+        layer together (uniform routing: `expected_experts`).
+      flops_experts, bytes_experts: of flops_mlp and bytes_mlp, the routed experts'
+        matmuls and kernels (their int8 scales included).
     """
 
     shape: CallShape
@@ -115,6 +151,11 @@ class CallCost:
     bytes_logits: float
     allreduces: int
     allreduce_bytes: float
+    moe_layers: int = 0
+    experts: int = 0
+    experts_read: float = 0.0
+    flops_experts: float = 0.0
+    bytes_experts: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -140,6 +181,13 @@ class CallCost:
         return (self.weight_bytes + self.bytes_kv_read + self.bytes_kv_write
                 + self.bytes_act_sharded + self.bytes_act_full + self.bytes_inputs
                 + self.bytes_logits)
+
+    @property
+    def expert_share(self) -> float:
+        """The expected share of the routed experts' weights the call reads (0 for a
+        dense config)."""
+        return self.experts_read / (self.moe_layers * self.experts) if self.moe_layers \
+            else 0.0
 
     @property
     def intensity(self) -> float:
@@ -191,12 +239,85 @@ def _linear(d_in: int, d_out: int, weights: str, param_bytes: int, bias: bool) -
 LAST_LAYER = ("all", "logits")
 
 
+def expected_experts(n_experts: int, top_k: int, tokens: int) -> float:
+    """The expected number of distinct experts `tokens` tokens choose, each its `top_k`
+    of `n_experts`, under uniform routing: each token's experts a uniform draw of top_k
+    of the n_experts, tokens independent. An expert is missed by one token with
+    probability 1 - top_k / n_experts, so E x (1 - (1 - k/E)^N). Exact for one token
+    (k experts); for more, an estimate that real (skewed) routing lies below.
+    """
+    if tokens <= 0:
+        return 0.0
+    if tokens == 1 or top_k >= n_experts:
+        return float(min(top_k, n_experts))
+    return n_experts * -math.expm1(tokens * math.log1p(-top_k / n_experts))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FeedForward:
+    """The feed-forward layers' part of a call, every layer together (see `_moe_mlp`)."""
+
+    flops: float
+    weight_bytes: float
+    act_sharded: float
+    act_full: float
+    flops_experts: float = 0.0
+    bytes_experts: float = 0.0
+    experts_read: float = 0.0
+    moe_layers: int = 0
+
+
+def _moe_mlp(cfg, layer_tokens, lin, act: int, par: int) -> _FeedForward:
+    """The feed-forward part of a mixture-of-experts config (`LLaDA2Config`): layer i
+    with `layer_tokens[i]` tokens through it, a dense SwiGLU in the first
+    `first_dense_layers`, router + shared expert + routed experts after them (the
+    module docstring says what counts)."""
+    d, m = cfg.d_model, cfg.mlp_hidden
+    E, k, me = cfg.n_experts, cfg.n_experts_per_tok, cfg.moe_hidden
+    ms = cfg.moe_hidden * cfg.n_shared_experts  # the shared expert's width (0: none)
+    expert = 2 * lin(d, me) + lin(me, d)  # one routed expert's three kernels
+    shared = 2 * lin(d, ms) + lin(ms, d) if ms else 0
+    router = d * E * par + E * par  # kernel and expert_bias, in the parameter dtype
+    flops = flops_experts = weight_bytes = bytes_experts = experts_read = 0.0
+    sharded = full = 0  # bytes, exact integers
+    moe_layers = 0
+    for i, n in enumerate(layer_tokens):
+        if not cfg.moe_layer(i):
+            flops += 2.0 * n * 3 * d * m
+            weight_bytes += 2 * lin(d, m) + lin(m, d)
+            sharded += 4 * n * m * act  # gate's and up's outputs, read by down
+            full += 3 * n * d * act  # gate and up read the input, down writes
+            continue
+        moe_layers += 1
+        read = expected_experts(E, k, n)
+        experts_read += read
+        bytes_experts += read * expert
+        weight_bytes += router + shared + read * expert
+        routed = 2.0 * n * k * 3 * d * me
+        flops_experts += routed
+        flops += 2.0 * n * (d * E + 3 * d * ms) + routed
+        # The shared expert's hidden outputs; the k rows per token gathered for the
+        # routed experts (written, read by gate and up), their hidden states (gate's
+        # and up's outputs, read by down) and down's rows (read by the weighted sum).
+        sharded += n * (4 * ms + 5 * k * d + 4 * k * me) * act
+        # The router reads the input, the shared expert's gate and up read it and its
+        # down writes, the weighted sum writes; the router's float32 scores and the
+        # chosen experts (int32) and weights (float32), each written and read.
+        full += n * (d + (3 * d if ms else 0) + d) * act + n * (2 * 4 * E + 2 * 8 * k)
+    return _FeedForward(flops=flops, weight_bytes=weight_bytes, act_sharded=sharded,
+                        act_full=full, flops_experts=flops_experts,
+                        bytes_experts=bytes_experts, experts_read=experts_read,
+                        moe_layers=moe_layers)
+
+
 def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16",
               last_layer: str = "all") -> CallCost:
     """FLOPs and bytes of one model call (see the module docstring for what counts).
 
     Args:
-      cfg: the model's config (a preset, `asynclane_jax.models.preset(name)`).
+      cfg: the model's config (a preset, `asynclane_jax.models.preset(name)`). A
+        mixture-of-experts config (LLaDA2) reads, per expert layer, the expected
+        distinct experts of its tokens under uniform routing (`expected_experts`).
       shape: the call's shape (`asynclane_jax.decoding.stats.CallShape`).
       weights: the linear kernels' format: "bf16", "int8" (weight-only, per-channel
         float32 scales) or "f32".
@@ -230,19 +351,28 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16",
     if n > 0:
         head_bytes = d * V * par if cfg.tie_embeddings else lin(d, V)
     kv_col = 2 * b * kvw * act  # bytes of one K/V column (both) of one layer, every row
+    if cfg.is_moe:
+        # The feed-forward layer by layer; the per-head q and k norms' scales (QK-norm).
+        ff = _moe_mlp(cfg, [t] * (L - 1) + [last], lin, act, par)
+        qk_norms = L * 2 * cfg.head_dim * par
+    else:  # the dense SwiGLU of every layer, as `_moe_mlp` prices a dense layer
+        ff = _FeedForward(flops=2.0 * rest * 3 * d * m,
+                          weight_bytes=float(L * (2 * lin(d, m) + lin(m, d))),
+                          act_sharded=4 * rest * m * act, act_full=3 * rest * d * act)
+        qk_norms = 0
     return CallCost(
         shape=shape, weights=weights, layers=L, heads=cfg.n_heads,
         kv_heads=cfg.n_kv_heads, mlp_hidden=m, vocab=V,
         flops_qo=2.0 * (all_q * d * qw + rest * qw * d),
         flops_kv=2.0 * all_q * 2 * d * kvw,
-        flops_mlp=2.0 * rest * 3 * d * m,
+        flops_mlp=ff.flops,
         flops_attention=2.0 * 2 * rest * k * qw,
         flops_head=2.0 * b * n * d * V,
         bytes_qo=float(L * (lin(d, qw, cfg.qkv_bias) + lin(qw, d))),
         bytes_kv=float(L * 2 * lin(d, kvw, cfg.qkv_bias)),
-        bytes_mlp=float(L * (2 * lin(d, m) + lin(m, d))),
+        bytes_mlp=ff.weight_bytes,
         bytes_head=float(head_bytes),
-        bytes_other=float((2 * L + 1) * d * par + t * d * par),
+        bytes_other=float((2 * L + 1) * d * par + t * d * par + qk_norms),
         bytes_kv_read=float(attends * k * kv_col if shape.cache else 0),
         bytes_kv_write=float(L * q * kv_col if shape.cache else 0),
         # Each written once and read once: q (read by the attention), the fresh K/V
@@ -250,17 +380,20 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16",
         # output (read by o), gate's and up's outputs (read by down, SiLU and the
         # product fused into its input).
         bytes_act_sharded=float((all_q * qw + rest * qw + 4 * all_q * kvw
-                                 + 2 * rest * qw + 4 * rest * m) * act),
+                                 + 2 * rest * qw) * act + ff.act_sharded),
         # q / k / v, gate and up read their input; o and down write their output; the
         # head reads its rows.
-        bytes_act_full=float((3 * all_q * d + 4 * rest * d + b * n * d) * act),
+        bytes_act_full=float((3 * all_q * d + rest * d + b * n * d) * act + ff.act_full),
         bytes_inputs=float(INDEX_BYTES * (2 * t + (t if shape.cache else 0) + b * n)
                            + b * shape.canvas),
         bytes_logits=float(4 * b * n * V),
         allreduces=2 * attends,
         allreduce_bytes=float(2 * rest * d * act),
+        moe_layers=ff.moe_layers, experts=cfg.n_experts if cfg.is_moe else 0,
+        experts_read=ff.experts_read, flops_experts=ff.flops_experts,
+        bytes_experts=ff.bytes_experts,
     )
 
 
 __all__ = ["CallCost", "INDEX_BYTES", "LAST_LAYER", "SCALE_BYTES", "WEIGHT_BYTES", "call_cost",
-           "check_shape", "check_weights"]
+           "check_shape", "check_weights", "expected_experts"]

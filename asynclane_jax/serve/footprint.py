@@ -14,7 +14,14 @@ all default pools full at once, and the budget: --kv-budget, or the default the 
 would take (half the free memory of a device of --device-memory bytes after the
 weights; without it, this machine's devices or host).
 `--model` is a converted folder, a shipped model or a preset name (llada-8b-instruct,
-dream-7b-instruct, ...): only its config is read.
+dream-7b-instruct, llada2-mini, ...): only its config is read.
+
+A mixture-of-experts model (LLaDA2) is sized the same way: its weights are every array
+of the model, all routed experts included (2 x 16,255,643,392 bytes for llada2-mini in
+bfloat16), and its K/V cache is layers x K/V heads x head width per column, as a dense
+model's. `--quantize int8` quantizes its `Linear` layers only (attention, dense and
+shared-expert MLPs); the router and the stacked routed experts stay in the parameter
+dtype, as the model holds them (docs/llada2.md).
 
 Not counted: the chunk programs' temporaries (activations, logits) and the runtime's
 own memory, which is why the default budget leaves half the free memory to them.

@@ -5,6 +5,7 @@ rules (int8, the K/V cache, the head and last layer at the logits columns)."""
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -177,3 +178,116 @@ def test_unknown_weight_format(weights):
 def test_impossible_shapes(shape, problem):
     with pytest.raises(CostError, match=problem):
         call_cost(preset("tiny-llada-test"), shape)
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+
+def _expert_layer_parts(cfg, weights="f32"):
+    """Bytes of one expert layer's router, shared expert and one routed expert, from the
+    config's fields (float32 parameters: the tiny config's dtype)."""
+    wb = {"bf16": 2, "f32": 4}[weights]
+    par = cfg.jnp_param_dtype.itemsize
+    d, me, E = cfg.d_model, cfg.moe_hidden, cfg.n_experts
+    router = (d * E + E) * par
+    shared = 3 * d * me * cfg.n_shared_experts * wb
+    expert = 3 * d * me * wb
+    return router, shared, expert
+
+
+def test_one_token_reads_exactly_its_k_experts():
+    """One token: the attention (fused q/k/v, the sizes of separate q, k, v), the dense
+    first layer, and in each expert layer the router, the shared expert and exactly
+    top-k routed experts; the same as the model's own arrays less the embedding table's
+    other rows and the experts not chosen."""
+    cfg = preset("tiny-llada2-test")
+    assert cfg.jnp_param_dtype.itemsize == 4
+    d, h, L, V = cfg.d_model, cfg.head_dim, cfg.n_layers, cfg.vocab_size
+    qw, kvw = cfg.n_heads * h, cfg.n_kv_heads * h
+    E, k = cfg.n_experts, cfg.n_experts_per_tok
+    moe_layers = L - cfg.first_dense_layers
+    router, shared, expert = _expert_layer_parts(cfg)
+    attention = (d * qw + 2 * d * kvw + qw * d) * 4
+    dense = 3 * d * cfg.mlp_hidden * 4
+    norms = (2 * L + 1) * d * 4 + L * 2 * h * 4  # the layers' and final RMSNorm, QK-norm
+    head, row = d * V * 4, d * 4  # the output head, the one embedding row gathered
+    shape = CallShape("cached", 1, 1, 8, 1, True, 64)
+    cost = call_cost(cfg, shape, "f32")
+    assert cost.moe_layers == moe_layers and cost.experts == E
+    assert cost.experts_read == moe_layers * k
+    assert cost.bytes_experts == moe_layers * k * expert
+    assert cost.weight_bytes == (L * attention + cfg.first_dense_layers * dense
+                                 + moe_layers * (router + shared + k * expert)
+                                 + norms + row + head)
+    stored = quantize_lib.weight_bytes(nnx.state(abstract_model(cfg), nnx.Param))
+    table = V * d * 4
+    assert cost.weight_bytes == stored - table + row - moe_layers * (E - k) * expert
+
+
+def test_many_tokens_read_every_expert():
+    """The expected distinct experts grow with the tokens, from k at one token toward
+    all E, and match a draw of uniform routing."""
+    from asynclane_jax.costs.formula import expected_experts
+
+    cfg = preset("tiny-llada2-test")
+    E, k = cfg.n_experts, cfg.n_experts_per_tok
+    moe_layers = cfg.n_layers - cfg.first_dense_layers
+    read = [call_cost(cfg, CallShape("cached", b, q, q, q, True, 256), "f32").experts_read
+            / moe_layers for b, q in ((1, 1), (1, 2), (1, 4), (2, 8), (4, 64), (64, 256))]
+    assert read[0] == k and all(a < b for a, b in zip(read, read[1:-1]))
+    assert read[-2] == pytest.approx(E, rel=1e-6) and read[-1] == E
+    _, _, expert = _expert_layer_parts(cfg)
+    huge = call_cost(cfg, CallShape("full", 64, 256, 256, 8, True, 256), "f32")
+    assert huge.bytes_experts == moe_layers * E * expert
+    # The uniform-routing expectation against a draw of it (LLaDA2-mini's 8 of 256).
+    rng = np.random.default_rng(0)
+    for tokens in (1, 32, 64):
+        picks = np.argsort(rng.random((400, tokens, 256)), axis=-1)[..., :8]
+        distinct = [len(np.unique(p)) for p in picks]
+        assert np.mean(distinct) == pytest.approx(expected_experts(256, 8, tokens), rel=0.01)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_llada2_mini_full_forward_reads_every_parameter(weights):
+    """A full forward of many tokens with the head reads every parameter of LLaDA2-mini
+    (every routed expert of every layer) but the embedding table, of which it reads the
+    rows gathered: in bfloat16, twice the parameter count less the table's other rows;
+    int8 prices every kernel (the experts' too) at one byte plus float32 scales."""
+    cfg = preset("llada2-mini")
+    shape = CallShape("full", 8, 4096, 4096, 32, True, 4096)
+    cost = call_cost(cfg, shape, weights)
+    d, E, me = cfg.d_model, cfg.n_experts, cfg.moe_hidden
+    moe_layers = cfg.n_layers - cfg.first_dense_layers
+    assert cost.experts_read == moe_layers * E and cost.expert_share == 1.0
+    table = cfg.vocab_size * d * 2
+    gathered = 8 * 4096 * d * 2
+    if weights == "bf16":
+        assert cost.weight_bytes - gathered == 2 * 16_255_643_392 - table
+        stored = quantize_lib.weight_bytes(nnx.state(abstract_model(cfg), nnx.Param))
+        assert stored == 2 * 16_255_643_392
+    else:  # gate and up [d, m] and down [m, d]: a scale per output channel
+        one = 3 * d * me + (2 * me + d) * 4
+        assert cost.bytes_experts == moe_layers * E * one
+
+
+def test_expert_flops_grow_with_top_k_not_with_the_experts():
+    cfg = preset("tiny-llada2-test")
+    shape = CallShape("cached", 2, 16, 64, 16, True, 64)
+    base = call_cost(cfg, shape, "f32")
+    top4 = call_cost(cfg.replace(n_experts_per_tok=4), shape, "f32")
+    wider = call_cost(cfg.replace(n_experts=16), shape, "f32")
+    moe_layers = cfg.n_layers - cfg.first_dense_layers
+    d, me, t = cfg.d_model, cfg.moe_hidden, 2 * 16
+    assert base.flops_experts == 2.0 * moe_layers * t * cfg.n_experts_per_tok * 3 * d * me
+    assert top4.flops_experts == 2 * base.flops_experts
+    assert wider.flops_experts == base.flops_experts
+    # Twice the experts: only the router's matmul grows (2 x tokens x d per expert).
+    assert wider.flops - base.flops == 2.0 * moe_layers * t * d * cfg.n_experts
+    assert top4.flops - base.flops == base.flops_experts
+
+
+def test_dense_configs_read_no_experts():
+    cost = call_cost(preset("llada-8b-instruct"), CallShape("cached", 1, 32, 640, 32, True,
+                                                            640))
+    assert cost.moe_layers == cost.experts == cost.experts_read == cost.bytes_experts == 0
+    assert cost.expert_share == 0.0
