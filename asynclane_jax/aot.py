@@ -19,8 +19,9 @@ A mixture-of-experts model (LLaDA2, `--preset llada2-mini`) compiles the same wa
 stacked expert kernels are split along the expert axis on the mesh's tensor axis
 (asynclane_jax.sharding, "Mixture of experts"), the routed experts are grouped matmuls
 (`jax.lax.ragged_dot`) in the compiled program, and the report says how many experts
-each chip holds. Its weights are compiled in the dtype only: `--quantize int8` is refused
-for it (the int8 path quantizes linear layers, not the stacked experts). Use a sampler
+each chip holds. `--quantize int8` quantizes its stacked experts too (one scale per
+expert and output channel, split with them; the router stays float:
+asynclane_jax.models.quantize). Use a sampler
 that follows its block-causal attention (`--sampler d2f`).
 
 The API is `compile_for_topology(...) -> AotReport`; `register` adds the `aot`
@@ -340,14 +341,14 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
       keep_hlo: keep the compiled HLO text in the report (`hlo_text`).
       quantize: "int8": the linear layers' weights as int8 arrays with per-channel
         scales (asynclane_jax.models.quantize), as `load(..., quantize="int8")` gives
-        them; None or "none": in the dtype. Refused for a mixture-of-experts model
-        (LLaDA2): its routed experts are not quantized by that path.
+        them (a mixture-of-experts model's stacked routed experts too, one scale per
+        expert and output channel); None or "none": in the dtype.
       scan_layers: the layer layout (`ModelConfig.scan_layers`); None: the config's.
     Returns:
       AotReport (per-device sizes, collectives, compile time, whether it fits).
     Raises:
-      AotError: bad topology or mesh, libtpu missing, quantize for a mixture-of-experts
-      model; SamplerError / ConfigError for a bad sampler, option or preset.
+      AotError: bad topology or mesh, libtpu missing; SamplerError / ConfigError for a
+      bad sampler, option or preset.
     """
     import jax
     import jax.numpy as jnp
@@ -362,8 +363,6 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
 
     mode = quantize_lib.check_mode(quantize)
     cfg, name = _config(model, dtype)
-    if mode is not None and cfg.is_moe:
-        raise AotError(moe_quantize_refusal(name, mode))
     if scan_layers is not None:
         cfg = cfg.replace(scan_layers=bool(scan_layers))
     options = dict(options or {})
@@ -459,15 +458,6 @@ def _experts(cfg, plan) -> dict:
         return {}
     split = math.prod(plan.mesh.shape[a] for a in plan.expert_axes(cfg.n_experts))
     return {"experts": cfg.n_experts, "experts_per_chip": cfg.n_experts // split}
-
-
-def moe_quantize_refusal(name: str, mode: str) -> str:
-    """Why a mixture-of-experts model is not compiled with quantized weights."""
-    return (f"quantize={mode}: not built for the mixture-of-experts model {name}: its "
-            "routed experts (most of its weights) are stacked kernels that the int8 path "
-            "(asynclane_jax.models.quantize, linear layers only) does not quantize, so "
-            "the report would describe mostly bfloat16 weights as int8; compile it with "
-            "--quantize none")
 
 
 def _oom_message(e: BaseException) -> str:

@@ -211,6 +211,7 @@ def _fit(axes, dim: int, mesh: Mesh, taken: set):
 
 
 EXPERT_KERNELS = ("gate_proj", "up_proj", "down_proj")  # under a SparseMoE's `experts`
+EXPERT_SCALES = tuple(f"{k}_scale" for k in EXPERT_KERNELS)  # their int8 scales
 LAYER_AXIS = "layers"  # a stacked layer layout's leading name (models.model.LAYER_AXIS)
 
 
@@ -222,7 +223,8 @@ def _path_names(path) -> tuple[str, ...]:
 def logical_names(path, names):
     """The logical names a parameter is placed by: the names it carries, except
       * the stacked expert kernels (`.../experts/{gate,up,down}_proj`, [E, ...] or
-        [L, E, ...]), whose unnamed expert axis is named `expert`;
+        [L, E, ...]) and their int8 scales (`..._scale`), whose unnamed expert axis is
+        named `expert`;
       * the fused q/k/v kernel of LLaDA2's attention (`.../attn/qkv_proj/kernel`, and
         its int8 `scale`), whose `heads` is `qkv_heads` (see the module docstring).
     None when the parameter carries no names.
@@ -231,7 +233,8 @@ def logical_names(path, names):
         return None
     names = tuple(names)
     keys = _path_names(path)
-    if len(keys) >= 2 and keys[-2] == "experts" and keys[-1] in EXPERT_KERNELS:
+    if len(keys) >= 2 and keys[-2] == "experts" and \
+            (keys[-1] in EXPERT_KERNELS or keys[-1] in EXPERT_SCALES):
         i = 1 if names[:1] == (LAYER_AXIS,) else 0
         if i < len(names) and names[i] is None:
             names = names[:i] + ("expert",) + names[i + 1:]
@@ -444,7 +447,7 @@ def constrain(x, logical):
     return x if plan is None else plan.constrain(x, logical)
 
 
-def routed_experts(x, experts, weights, gate, up, down, dtype):
+def routed_experts(x, experts, weights, gate, up, down, dtype, scales=None):
     """`models.moe.routed_experts` (same arguments, same result), expert-parallel when a
     plan is active (`use`) whose `expert` rule splits the experts: each chip computes
     only the (token, expert) pairs of the experts it holds, as one grouped matmul
@@ -452,7 +455,9 @@ def routed_experts(x, experts, weights, gate, up, down, dtype):
     their routing weights, and the chips' partial sums are added by one all-reduce of
     [N, d] (a `jax.shard_map`, manual over the expert axes only; the other mesh axes stay
     with the compiler). The tokens, the choices and the weights are replicated over the
-    expert axes, as the activations between layers are over `tensor`.
+    expert axes, as the activations between layers are over `tensor`. int8 kernels
+    (`scales` given: [E, 1, out] each) are split with their scales, each chip applying
+    its own experts' scales to its output rows (`moe.grouped_matmul`).
 
     Why: under the compiler's own partitioning, the TPU compiler gathers every stacked
     expert kernel whole onto every chip for its ragged dots (libtpu 0.0.42.1; see
@@ -464,10 +469,11 @@ def routed_experts(x, experts, weights, gate, up, down, dtype):
     plan = active()
     axes = () if plan is None else plan.expert_axes(gate.shape[0])
     if not axes:
-        return moe.routed_experts(x, experts, weights, gate, up, down, dtype)
+        return moe.routed_experts(x, experts, weights, gate, up, down, dtype, scales=scales)
     spread = PartitionSpec(axes if len(axes) > 1 else axes[0])
+    quantized = scales is not None
 
-    def local(x, experts, weights, gate, up, down):
+    def local(x, experts, weights, gate, up, down, *local_scales):
         n, k = experts.shape
         held = gate.shape[0]  # this chip's experts: first .. first + held - 1
         first = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * held
@@ -477,23 +483,26 @@ def routed_experts(x, experts, weights, gate, up, down, dtype):
         order = jnp.argsort(key, stable=True)
         rows = jnp.take(x.astype(dtype), order // k, axis=0)
         sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
+        s_gate, s_up, s_down = local_scales if quantized else (None, None, None)
+        # Each row's expert (rows past the groups, zero, take the last one's scale).
+        row_groups = jnp.minimum(jnp.take(key, order), held - 1) if quantized else None
 
-        def grouped(lhs, rhs):  # rows past the groups come out zero
-            return jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes,
-                                      preferred_element_type=jnp.float32).astype(dtype)
+        def grouped(lhs, rhs, scale):  # rows past the groups come out zero
+            return moe.grouped_matmul(lhs, rhs, sizes, dtype, scale, row_groups)
 
-        hidden = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)
-        out = grouped(hidden, down)
+        hidden = jax.nn.silu(grouped(rows, gate, s_gate)) * grouped(rows, up, s_up)
+        out = grouped(hidden, down, s_down)
         out = jnp.zeros_like(out).at[order].set(out)
         w = jnp.where(mine.reshape(n, k), weights, 0.0)
         mixed = jnp.sum(out.reshape(n, k, -1).astype(jnp.float32) * w[..., None], axis=1)
         return jax.lax.psum(mixed, axes)
 
+    extra = tuple(scales) if quantized else ()
     fn = jax.shard_map(local, mesh=plan.mesh, axis_names=frozenset(axes),
                        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), spread,
-                                 spread, spread),
+                                 spread, spread) + (spread,) * len(extra),
                        out_specs=PartitionSpec())
-    return fn(x, experts, weights, gate, up, down).astype(dtype)
+    return fn(x, experts, weights, gate, up, down, *extra).astype(dtype)
 
 
 __all__ = ["ACTIVATION", "CACHE", "EXPERT_KERNELS", "HEAD_POLICIES", "MESH_AXES",

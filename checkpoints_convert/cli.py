@@ -10,7 +10,7 @@ from checkpoints_convert.convert import OUTPUT_DTYPES, sigterm_as_interrupt
 
 DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint (optionally with a "
                "PEFT LoRA adapter merged in), or a LLaDA2 mixture-of-experts one "
-               "(llada2_moe: its experts stacked per layer; no LoRA, int8 or stacked "
+               "(llada2_moe: its experts stacked per layer; no LoRA or stacked "
                "layers yet), into an asynclane-jax folder: streaming, atomic, verified.")
 
 

@@ -333,7 +333,9 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
       scan_layers: write the stacked layer layout (`ModelConfig.scan_layers`: every
         layer tensor stacked into one [L, ...] array, `layers.<name>`); default the
         unrolled one (`layers.<i>.<name>`). `load` reads either into either.
-      quantize: "int8": store every linear layer's kernel as int8 with one float32
+      quantize: "int8": store every linear layer's kernel (and a LLaDA2 model's stacked
+        routed experts, one scale per expert and output channel; its routers stay
+        float) as int8 with one float32
         scale per output channel (asynclane_jax.models.quantize, the numbers
         `load(..., quantize="int8")` computes from the float folder), recorded in
         config.json; about half the bytes of bfloat16. None: the float weights.
@@ -351,25 +353,34 @@ def convert(src: str, dst: str | os.PathLike, *, dtype: str | None = None,
                         scan_layers=scan_layers, quantize=quantize, on_tensor=on_tensor)
 
 
-def quantize_kernels(params: dict, digests: dict, mode: str, out_in=()) -> dict:
-    """Every `kernel` of a parameter dict replaced by its int8 values and a `scale`
-    beside it, one kernel at a time, by the function `load(..., quantize="int8")` uses
-    (quantize.quantize_array), transposed for the layers named in out_in
-    (`quantize.out_in_layers`); `digests` (dotted name -> entry) updated to what is
-    stored."""
+def quantize_kernels(params: dict, digests: dict, mode: str, out_in=(),
+                     quantized: frozenset | None = None) -> dict:
+    """Every array the int8 model holds as int8 (its `quantize.name_pattern` in
+    `quantized`, `quantize.quantized_names` of the quantized abstract model: the linear
+    layers' kernels and a mixture-of-experts model's stacked experts, not its routers;
+    None: every `kernel`) replaced by its int8 values with its scale beside it
+    (`quantize.scale_name`), one array at a time, by the function
+    `load(..., quantize="int8")` uses (quantize.quantize_array), transposed for the layers
+    named in out_in (`quantize.out_in_layers`); `digests` (dotted name -> entry) updated
+    to what is stored."""
     from asynclane_jax.models import quantize as quantize_lib
+
+    def wanted(key, name):
+        return key == "kernel" if quantized is None else \
+            quantize_lib.name_pattern(name) in quantized
 
     def walk(tree, prefix):
         for key in list(tree):
             value, name = tree[key], f"{prefix}{key}"
             if isinstance(value, dict):
                 walk(value, name + ".")
-            elif key == "kernel":
+            elif wanted(key, name):
                 values, scale = (np.asarray(x) for x in quantize_lib.quantize_array(
                     value, out_in=quantize_lib.layer_of(name) in out_in))
-                tree["kernel"], tree["scale"] = values, scale
+                scale_key = quantize_lib.scale_name(key)
+                tree[key], tree[scale_key] = values, scale
                 digests[name] = checkpoint.digest_entry(values)
-                digests[f"{prefix}scale"] = checkpoint.digest_entry(scale)
+                digests[f"{prefix}{scale_key}"] = checkpoint.digest_entry(scale)
 
     quantize_lib.check_mode(mode)
     walk(params, "")
@@ -392,8 +403,8 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
     snap, cfg, assignments, adapter = prepare(src, dtype=dtype, lora=lora, cache_dir=cache_dir)
     _check_destination(snap.folder, dst, force)
     if cfg.is_moe:
-        asked = [flag for flag, on in (("--lora", lora), ("--quantize", quantize),
-                                       ("--scan-layers", scan_layers)) if on]
+        asked = [flag for flag, on in (("--lora", lora), ("--scan-layers", scan_layers))
+                 if on]
         if asked:
             raise ConvertError(f"{', '.join(asked)} with a mixture-of-experts ({cfg.family}) "
                                "checkpoint: not built yet (docs/llada2.md); nothing was "
@@ -470,7 +481,11 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
         cfg = cfg.replace(block_causal=block_causal, scan_layers=bool(scan_layers))
         if quantize is not None:  # layer by layer, as load(quantize=) does it
             out_in = quantize_lib.out_in_layers(abstract_model(cfg))
-            params = quantize_kernels(params, digests, quantize, out_in)
+            from flax import nnx
+
+            quantized = quantize_lib.quantized_names(nnx.state(quantize_lib.abstract_quantized(
+                abstract_model(cfg), quantize)))
+            params = quantize_kernels(params, digests, quantize, out_in, quantized)
             extra[checkpoint.QUANTIZATION_KEY] = quantize
             extra[checkpoint.INT8_OUT_IN_KEY] = list(out_in)
             out_bytes = sum(v.nbytes for v in checkpoint.flat_arrays(params).values())

@@ -52,8 +52,9 @@ def load(path_or_name: str | os.PathLike, *, dtype: str | None = None, mesh=None
       verify: check every array against the folder's digests.json (see `load_model`);
         None: yes unless the environment sets ASYNCLANE_VERIFY=0.
       scan_layers: the model's layer layout (see `load_model`); None: the folder's.
-      quantize: "int8": int8 weights with per-channel scales in the linear layers,
-        quantized as they are read (see `load_model`); None or "none": as stored.
+      quantize: "int8": int8 weights with per-channel scales in the linear layers (and
+        a mixture-of-experts model's stacked experts), quantized as they are read (see
+        `load_model`); None or "none": as stored.
     Returns:
       (model, tokenizer or None, ModelConfig).
     Raises:
@@ -95,6 +96,8 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         against its digests as stored), then each layer tensor is stacked or split on
         its devices, exactly, one tensor at a time (`model.stack_layer_params`).
       quantize: "int8" for int8 weights with per-channel scales in every linear layer
+        and, in a mixture-of-experts model, the stacked routed experts (one scale per
+        expert and output channel; the router stays in its dtype)
         (asynclane_jax.models.quantize); each kernel is quantized on its device as soon
         as it is read (on one device no whole float copy of the weights is ever held;
         on a mesh orbax reads the float shards first); None or "none": as stored. A
@@ -125,7 +128,8 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
         as_stored = target if stored_mode else float_target
     else:
         as_stored = _abstract(cfg, mesh, stored_mode)[2]
-    quantize = (functools.partial(transform_lib.quantize_kernel, out_in=frozenset(out_in))
+    quantize = (functools.partial(transform_lib.quantize_kernel, out_in=frozenset(out_in),
+                                  quantized=quantize_lib.quantized_names(abs_state))
                 if stored_mode is None and mode is not None else None)
     params = restore_params(folder / PARAMS_DIR, as_stored, digests=digests, on_read=quantize)
     params = transform_lib.relayout_params(params, model_cfg.n_layers, target)

@@ -45,24 +45,31 @@ def cast(name: str, array, *, dtypes: Mapping[str, np.dtype]):
     return array.astype(want)
 
 
-def quantize_kernel(name: str, array: jax.Array, *, out_in: frozenset):
-    """A linear layer's kernel (every `...kernel`) as {"kernel": int8 values, "scale":
-    scales}, transposed for the layers named in `out_in`; any other array as it is."""
-    if not name.endswith("kernel"):
+def quantize_kernel(name: str, array: jax.Array, *, out_in: frozenset,
+                    quantized: frozenset | None = None):
+    """An array the int8 model holds as int8 (its `quantize.name_pattern` in `quantized`,
+    `quantize.quantized_names` of the quantized abstract state: the linear layers'
+    kernels and the stacked expert kernels, not a router's kernel; None: every
+    `...kernel`) as {key: int8 values, scale key: scales} (`quantize.scale_name`),
+    transposed for the layers named in `out_in`; any other array as it is."""
+    if not (name.endswith("kernel") if quantized is None
+            else quantize_lib.name_pattern(name) in quantized):
         return array
     values, scale = quantize_lib.quantize_array(
         array, out_in=quantize_lib.layer_of(name) in out_in)
-    return {"kernel": values, "scale": scale}
+    key = name.rsplit(".", 1)[-1]
+    return {key: values, quantize_lib.scale_name(key): scale}
 
 
 def merge_read(tree):
     """Puts what a transform returned as a dict in a leaf's place beside it: {"kernel":
-    {"kernel": v, "scale": s}} -> {"kernel": v, "scale": s}."""
+    {"kernel": v, "scale": s}} -> {"kernel": v, "scale": s}, and {"gate_proj":
+    {"gate_proj": v, "gate_proj_scale": s}} -> {"gate_proj": v, "gate_proj_scale": s}."""
     if not isinstance(tree, dict):
         return tree
     out = {}
     for k, v in tree.items():
-        if k == "kernel" and isinstance(v, dict) and set(v) == {"kernel", "scale"}:
+        if isinstance(v, dict) and set(v) == {k, quantize_lib.scale_name(str(k))}:
             out.update(v)
         else:
             out[k] = merge_read(v)

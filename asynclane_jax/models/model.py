@@ -361,7 +361,9 @@ class MLP(nnx.Module):
 
 class Router(nnx.Module):
     """The gate of a mixture-of-experts layer: kernel [d, E] and the stored selection
-    bias expert_bias [E] (`moe.route`)."""
+    bias expert_bias [E] (`moe.route`). Never quantized: `quantize_model` leaves it in
+    its dtype and the routing is computed in float32, so a given input picks the same
+    experts in an int8 model as in the float one."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         E = cfg.n_experts
@@ -372,7 +374,13 @@ class Router(nnx.Module):
 
 class Experts(nnx.Module):
     """The routed experts' SwiGLU kernels, stacked: gate_proj, up_proj [E, d, m] and
-    down_proj [E, m, d] (each expert's [in, out] kernel at its index)."""
+    down_proj [E, m, d] (each expert's [in, out] kernel at its index).
+
+    After `quantize_int8` each holds int8 values of the same shape and
+    `<name>_scale` [E, 1, out] (float32) their scales, one per (expert, output
+    channel) (asynclane_jax.models.quantize); the scales are None in a float model."""
+
+    KERNELS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
@@ -381,11 +389,37 @@ class Experts(nnx.Module):
         self.gate_proj = _param(init((E, d, m)), (None, "embed", "mlp"))
         self.up_proj = _param(init((E, d, m)), (None, "embed", "mlp"))
         self.down_proj = _param(init((E, m, d)), (None, "mlp", "embed"))
+        self.gate_proj_scale = self.up_proj_scale = self.down_proj_scale = None
+
+    def quantize_int8(self) -> None:
+        """Replaces each stacked kernel [E, in, out] by int8 values and adds its scale
+        [E, 1, out] (`quantize.int8_weights`, the linear layers' grid), named as the
+        kernel with the contracted dimension unnamed."""
+        if self.gate_proj_scale is not None:
+            return
+        for name in self.KERNELS:
+            param = getattr(self, name)
+            values, scale = quantize.int8_weights(param[...])
+            meta = param.get_metadata()
+            names = meta.get("out_sharding")
+            scale_names = (None if names is None else
+                           tuple(names)[:-2] + (None,) + tuple(names)[-1:])
+            setattr(self, name, nnx.Param(values, **meta))
+            setattr(self, quantize.scale_name(name),
+                    nnx.data(nnx.Param(scale, **{**meta, "out_sharding": scale_names})))
+
+    def scales(self):
+        """(gate, up, down) scales of int8 kernels, or None for float ones."""
+        if self.gate_proj_scale is None:
+            return None
+        return tuple(getattr(self, quantize.scale_name(n))[...] for n in self.KERNELS)
 
 
 class SparseMoE(nnx.Module):
     """A mixture-of-experts feed-forward layer (LLaDA2): every token goes through its
-    top-k routed experts (`moe.route`, `sharding.routed_experts`) and the shared expert."""
+    top-k routed experts (`moe.route`, `sharding.routed_experts`) and the shared expert.
+    int8 (`quantize_model`): the routed experts' kernels and the shared expert's are
+    int8, the router is not."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.gate = Router(cfg, rngs=rngs)
@@ -405,7 +439,8 @@ class SparseMoE(nnx.Module):
         # experts, one all-reduce); else moe.routed_experts itself.
         y = sharding.routed_experts(flat, experts, weights, self.experts.gate_proj[...],
                                     self.experts.up_proj[...], self.experts.down_proj[...],
-                                    cfg.jnp_dtype).reshape(x.shape)
+                                    cfg.jnp_dtype, scales=self.experts.scales()
+                                    ).reshape(x.shape)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -54,7 +54,24 @@ def route(x, kernel, expert_bias, *, top_k: int, n_groups: int, topk_groups: int
     return experts.astype(jnp.int32), weights * jnp.float32(scaling)
 
 
-def routed_experts(x, experts, weights, gate, up, down, dtype):
+def grouped_matmul(lhs, rhs, sizes, dtype, scale=None, row_groups=None):
+    """One projection of the sorted (token, expert) rows: `jax.lax.ragged_dot` of lhs
+    [R, in] (rows grouped by expert, group g `sizes[g]` rows; rows past the groups come
+    out zero) with rhs [G, in, out], accumulated in float32, returned in dtype.
+
+    int8 weights (asynclane_jax.models.quantize): rhs holds the int8 values, converted
+    to dtype inside the ragged_dot operand, and scale [G, 1, out] (float32) their scale
+    per (expert, output channel); each output row is multiplied by its expert's scale
+    row, row_groups [R] (the expert of each row): y = (x @ Wq_e) * s_e, which equals x @
+    (Wq_e * s_e) since the scale is per output column. No dequantized copy of the
+    weights is made."""
+    y = jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes, preferred_element_type=jnp.float32)
+    if scale is not None:
+        y = y * jnp.take(scale[:, 0, :].astype(jnp.float32), row_groups, axis=0)
+    return y.astype(dtype)
+
+
+def routed_experts(x, experts, weights, gate, up, down, dtype, scales=None):
     """The weighted sum of each token's chosen experts' SwiGLU outputs, without a dense
     all-experts product: the N*k (token, expert) pairs are sorted by expert and each
     projection is one `jax.lax.ragged_dot` over the sorted rows (a grouped matmul: rows
@@ -62,8 +79,12 @@ def routed_experts(x, experts, weights, gate, up, down, dtype):
 
     Args:
       x: [N, d]; experts, weights: [N, k] from `route`.
-      gate, up: [E, d, m]; down: [E, m, d] the stacked expert kernels.
+      gate, up: [E, d, m]; down: [E, m, d] the stacked expert kernels (int8 values when
+        scales are given).
       dtype: the compute dtype (matmuls accumulate in float32).
+      scales: None for float kernels, or the int8 kernels' scales (gate [E, 1, m], up
+        [E, 1, m], down [E, 1, d], float32), applied to the output rows
+        (`grouped_matmul`).
     Returns:
       [N, d] in dtype.
     """
@@ -73,16 +94,17 @@ def routed_experts(x, experts, weights, gate, up, down, dtype):
     order = jnp.argsort(flat, stable=True)
     rows = jnp.take(x.astype(dtype), order // k, axis=0)  # [N*k, d], grouped by expert
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E]
+    s_gate, s_up, s_down = scales if scales is not None else (None, None, None)
+    row_groups = jnp.take(flat, order) if scales is not None else None  # each row's expert
 
-    def grouped(lhs, rhs):
-        return jax.lax.ragged_dot(lhs, rhs.astype(dtype), sizes,
-                                  preferred_element_type=jnp.float32).astype(dtype)
+    def grouped(lhs, rhs, scale):
+        return grouped_matmul(lhs, rhs, sizes, dtype, scale, row_groups)
 
-    hidden = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)  # [N*k, m]
-    out = grouped(hidden, down)  # [N*k, d], sorted
+    hidden = jax.nn.silu(grouped(rows, gate, s_gate)) * grouped(rows, up, s_up)  # [N*k, m]
+    out = grouped(hidden, down, s_down)  # [N*k, d], sorted
     out = jnp.zeros_like(out).at[order].set(out)  # back to pair order
     mixed = jnp.sum(out.reshape(n, k, -1).astype(jnp.float32) * weights[..., None], axis=1)
     return mixed.astype(dtype)
 
 
-__all__ = ["route", "routed_experts"]
+__all__ = ["grouped_matmul", "route", "routed_experts"]

@@ -18,6 +18,17 @@ their bytes. The qwix int8 grid is [-128, 127] with scale = absmax / 127.5.
 `asynclane_jax.checkpoint.load(..., quantize="int8")` quantizes each kernel as it is
 read, so a whole float copy of the weights never sits on a device.
 
+A mixture-of-experts model (LLaDA2): the stacked routed-expert kernels (`Experts`:
+gate_proj / up_proj [E, d, m], down_proj [E, m, d]) are quantized on the same grid by
+the same function (`int8_weights`), one scale per (expert, output channel): values
+[E, in, out] int8 beside `<name>_scale` [E, 1, out] float32 (`scale_name`). The routed
+experts' grouped matmuls (`moe.grouped_matmul`) take the int8 values converted to the
+compute dtype as the `ragged_dot` operand and multiply each output row by its expert's
+scale row: (x @ Wq_e) * s_e, exact since the scale is per output column. The router
+(its kernel and `expert_bias`) stays in float32: the routing is computed from the same
+numbers as in the float model, so a given input picks the same experts. The shared
+expert is an `MLP` of `Linear`s and is quantized as any other.
+
 Why not Qwix's own NNX entry point (`qwix.quantize_model` with a `PtqProvider`): it
 quantizes by running one method of the model once while patching `jnp.einsum` and
 friends in place, and keeps the result as `WithAux` nodes that only that one
@@ -96,9 +107,16 @@ def int8_matmul(x, values, scale, dtype, out_in: bool = False):
     return qwix.einsum("...i,oi->...o" if out_in else "...i,io->...o", x.astype(dtype), w)
 
 
+def scale_name(key: str) -> str:
+    """The key of a quantized array's scale beside it: "scale" for a Linear's "kernel",
+    "<key>_scale" for a stacked expert kernel ("gate_proj" -> "gate_proj_scale")."""
+    return "scale" if key == "kernel" else f"{key}_scale"
+
+
 def quantize_model(model, mode: str | None = "int8"):
-    """Quantizes every Linear of a model in place (works on an abstract model inside
-    `nnx.eval_shape` too) and returns it; mode None leaves it as it is."""
+    """Quantizes every Linear and every stacked experts module of a model in place
+    (works on an abstract model inside `nnx.eval_shape` too) and returns it; mode None
+    leaves it as it is. A mixture-of-experts router is left as it is."""
     mode = check_mode(mode)
     if mode is None:
         return model
@@ -109,9 +127,12 @@ def quantize_model(model, mode: str | None = "int8"):
 
 
 def quantization_of(model) -> str | None:
-    """"int8" when the model's linear layers hold int8 weights, else None."""
+    """"int8" when the model's linear layers (or stacked experts) hold int8 weights, else
+    None."""
     for _, node in nnx.iter_graph(model):
-        if getattr(node, "scale", None) is not None and hasattr(node, "quantize_int8"):
+        if hasattr(node, "quantize_int8") and (
+                getattr(node, "scale", None) is not None or
+                getattr(node, scale_name("gate_proj"), None) is not None):
             return "int8"
     return None
 
@@ -125,8 +146,9 @@ def abstract_quantized(model, mode: str | None = "int8"):
 
 
 def quantized_paths(abs_state) -> set[tuple]:
-    """Paths (tuples of keys, as in `nnx.to_pure_dict`) of the int8 kernels of a
-    quantized model's state."""
+    """Paths (tuples of keys, as in `nnx.to_pure_dict`) of the int8 arrays of a
+    quantized model's state: the linear layers' kernels and the stacked expert kernels
+    (each an int8 array with its scale beside it, `scale_name`)."""
     pure = nnx.to_pure_dict(abs_state)
     out = set()
 
@@ -134,15 +156,30 @@ def quantized_paths(abs_state) -> set[tuple]:
         for k, v in tree.items():
             if isinstance(v, dict):
                 walk(v, path + (k,))
-            elif k == "kernel" and "scale" in tree and jnp.dtype(v.dtype) == jnp.int8:
+            elif scale_name(str(k)) in tree and jnp.dtype(v.dtype) == jnp.int8:
                 out.add(path + (k,))
 
     walk(pure, ())
     return out
 
 
+def name_pattern(name: str) -> str:
+    """A dotted parameter name without its layer (and any other integer) components,
+    the same in both layer layouts: "layers.3.mlp.experts.gate_proj" ->
+    "layers.mlp.experts.gate_proj"."""
+    return ".".join(p for p in str(name).split(".") if not p.isdigit())
+
+
+def quantized_names(abs_state) -> frozenset[str]:
+    """The `name_pattern`s of the int8 arrays of a quantized model's state
+    (`quantized_paths`): which float arrays of a checkpoint a quantize-on-read turns
+    into int8 (the router's float32 kernel is not among them)."""
+    return frozenset(name_pattern(".".join(map(str, p))) for p in quantized_paths(abs_state))
+
+
 def quantize_array(array, value_sharding=None, scale_sharding=None, out_in: bool = False):
-    """(int8 values, scales) of one float kernel array [..., in, out] already on its
+    """(int8 values, scales) of one float kernel array [..., in, out] (a stacked expert
+    kernel [E, in, out] too: scales [E, 1, out]) already on its
     device(s), quantized there and placed on the given shardings (None: where jit puts
     them); out_in as in `int8_weights`."""
     if value_sharding is None:
@@ -187,5 +224,6 @@ def weight_bytes(state) -> int:
 
 
 __all__ = ["CHOICES", "MODES", "QuantizeError", "abstract_quantized", "add_flag", "check_mode",
-           "int8_matmul", "int8_weights", "layer_of", "out_in_layers", "quantization_of",
-           "quantize_array", "quantize_model", "quantized_paths", "weight_bytes"]
+           "int8_matmul", "int8_weights", "layer_of", "name_pattern", "out_in_layers",
+           "quantization_of", "quantize_array", "quantize_model", "quantized_names",
+           "quantized_paths", "scale_name", "weight_bytes"]

@@ -2,7 +2,8 @@
 tiny test size: the real TPU compiler (libtpu, the `tpu` extra) builds the decode with the
 experts split along the tensor axis (expert parallelism) and the routed experts as grouped
 matmuls (ragged dots); the expert-parallel layer (`sharding.routed_experts`) compiles
-without gathering a stacked expert kernel on a chip; int8 is refused for it (not built).
+without gathering a stacked expert kernel on a chip. int8 (its experts quantized too) is
+tested in tests/models/test_llada2_int8.py.
 The llada2-mini compiles are too slow for the test run: experiments/compile_llada2.py
 makes them.
 
@@ -33,18 +34,6 @@ TINY = "tiny-llada2-test"  # 8 experts [8, 32, 16], 4 query / 2 K/V heads, block
 def default_precision():
     with jax.default_matmul_precision("default"):
         yield
-
-
-def test_int8_is_refused_for_experts():
-    with pytest.raises(aot.AotError, match="not built for the mixture-of-experts"):
-        aot.compile_for_topology(TINY, sampler="d2f", topology="v6e:1x1", quantize="int8")
-
-
-def test_cli_int8_refusal_is_a_usage_error(capsys):
-    rc = cli.main(["aot", "--preset", "llada2-mini", "--sampler", "d2f", "--topology",
-                   "v6e:1x1", "--quantize", "int8"])
-    assert rc == 2
-    assert "not built for the mixture-of-experts model llada2-mini" in capsys.readouterr().err
 
 
 @pytest.mark.tpu_aot
