@@ -43,7 +43,14 @@ import numpy as np
 from flax import nnx, struct
 
 from asynclane_jax import sharding
-from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
+from asynclane_jax.decoding.schedule import (
+    CallOutput,
+    Context,
+    Plan,
+    SamplerError,
+    Schedule,
+    model_attention_blocks,
+)
 from asynclane_jax.decoding.stats import MAX_CALL_SHAPES, CallShape
 from asynclane_jax.models.model import KVCache
 
@@ -206,7 +213,10 @@ class ModelCalls:
         if self.cfg_scale > 0 and self.use_cache:
             raise SamplerError(f"{schedule.name}: classifier-free guidance needs cache='none'")
         self.n_live = n_live  # [] rows counted in tokens_processed
-        self.block_ids = schedule.attention_blocks(ctx)  # [b, T] or None (bidirectional)
+        # [b, T] or None (bidirectional): the schedule's layout, else the model's own.
+        self.block_ids = schedule.attention_blocks(ctx)
+        if self.block_ids is None:
+            self.block_ids = model_attention_blocks(model.cfg, ctx)
         self.vocab = model.cfg.vocab_size
 
     def no_logits(self, plan: Plan):

@@ -64,7 +64,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from asynclane_jax.decoding import ops
-from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerError, Schedule
+from asynclane_jax.decoding.schedule import (
+    CallOutput,
+    Context,
+    Plan,
+    SamplerError,
+    Schedule,
+    llada2_attention_blocks,
+)
 
 
 @struct.dataclass
@@ -145,8 +152,7 @@ class LLaDA2Schedule(Schedule):
         return True
 
     def attention_blocks(self, ctx: Context):
-        cols = jnp.arange(ctx.length, dtype=jnp.int32)[None, :]
-        return jnp.maximum(cols - ctx.pad_len[:, None], 0) // self.block_length
+        return llada2_attention_blocks(ctx, self.block_length)
 
     def max_iterations(self) -> int:
         # A row has at most G // B + 2 blocks of at most steps_per_block steps; it waits

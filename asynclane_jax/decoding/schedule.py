@@ -90,6 +90,29 @@ class CallOutput:
         return jnp.take_along_axis(self.logits, idx[:, :, None], axis=1), has
 
 
+# The block length LLaDA2 models are trained and published with (their generate
+# code's default): a sampler that sets no attention layout of its own decodes a LLaDA2
+# model with its blocks (`model_attention_blocks`).
+LLADA2_BLOCK_LENGTH = 32
+
+
+def llada2_attention_blocks(ctx, block_length: int):
+    """[b, T] LLaDA2's block layout: blocks of `block_length` columns from each row's
+    first prompt token (left padding in block 0, never attended), so the prompt's last
+    block also holds the first generated positions."""
+    cols = jnp.arange(ctx.length, dtype=jnp.int32)[None, :]
+    return jnp.maximum(cols - ctx.pad_len[:, None], 0) // block_length
+
+
+def model_attention_blocks(cfg, ctx):
+    """The attention a model was trained with, for a schedule that sets none: LLaDA2's
+    block layout (blocks of LLADA2_BLOCK_LENGTH) on a LLaDA2 model, None (bidirectional)
+    on the others. (A D2F student's layout belongs to the `d2f` sampler, which sets it.)"""
+    if getattr(cfg, "family", None) == "llada2":
+        return llada2_attention_blocks(ctx, LLADA2_BLOCK_LENGTH)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """Facts about the canvas that every schedule needs; built inside the trace.
@@ -248,7 +271,8 @@ class Schedule:
     def attention_blocks(self, ctx: Context):
         """[b, T] int block id of every canvas column for block-causal attention (a
         query attends only to keys whose block id is <= its own), in every call of the
-        decode; None (the default): bidirectional attention."""
+        decode; None (the default): the model's own attention (`model_attention_blocks`:
+        bidirectional, or LLaDA2's block layout on a LLaDA2 model)."""
         del ctx
         return None
 
