@@ -297,7 +297,9 @@ def render(name: str, config: dict, log: dict, evals: list[dict],
                   f", top-{m['n_experts_per_tok']}")
         family = (f"LLaDA2-style: {attention} with QK-norm, RoPE on {m['rotary_dim']} of "
                   f"{m['head_dim']} channels per head, no biases, block-causal attention; "
-                  f"the first {m['first_dense_layers']} layer(s) dense, then mixtures of "
+                  + ("the first layer dense" if m["first_dense_layers"] == 1 else
+                     f"the first {m['first_dense_layers']} layers dense")
+                  + ", then mixtures of "
                   f"{m['n_experts']} experts{groups}, {m['n_shared_experts']} shared, "
                   f"sigmoid routing scaled by {m['routed_scaling']:g}")
     elif causal:

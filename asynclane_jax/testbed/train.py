@@ -459,6 +459,19 @@ class BucketedStream:
 
 # --------------------------------------------------------------------------- objective
 
+def masked_loss(logits, targets, masked, t, response):
+    """The masked-diffusion loss from the logits: sum over masked positions of CE / t,
+    divided by the number of response tokens; aux: accuracy and CE on masked
+    positions, and the share of response tokens masked."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    m = masked.astype(jnp.float32)
+    loss = jnp.sum(ce * m / t) / jnp.sum(response)
+    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+    acc = jnp.sum(correct * m) / jnp.maximum(jnp.sum(m), 1.0)
+    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
+                  "mask_frac": jnp.sum(m) / jnp.sum(response)}
+
+
 def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3,
                    t_max: float | jax.Array = 1.0):
     """LLaDA's masked-diffusion loss (Dream's when the model's config shifts logits).
@@ -482,13 +495,7 @@ def diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e-3,
         # Position i is scored with the output at i - 1; the first response token is read
         # from the last prompt token.
         logits, targets, masked = logits[:, :-1], tokens[:, 1:], masked[:, 1:]
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    m = masked.astype(jnp.float32)
-    loss = jnp.sum(ce * m / t) / jnp.sum(response)
-    correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-    acc = jnp.sum(correct * m) / jnp.maximum(jnp.sum(m), 1.0)
-    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
-                  "mask_frac": jnp.sum(m) / jnp.sum(response)}
+    return masked_loss(logits, targets, masked, t, response)
 
 
 def causal_loss(model: DiffusionLM, batch: dict):
@@ -564,13 +571,7 @@ def block_diffusion_loss(model: DiffusionLM, batch: dict, key, t_eps: float = 1e
                    key_mask=jnp.concatenate([key_mask, key_mask], axis=1),
                    block_ids=block_diffusion_ids(blocks),
                    logits_index=jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n)))
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
-    m = masked.astype(jnp.float32)
-    loss = jnp.sum(ce * m / t) / jnp.sum(response)
-    correct = (jnp.argmax(logits, -1) == tokens).astype(jnp.float32)
-    acc = jnp.sum(correct * m) / jnp.maximum(jnp.sum(m), 1.0)
-    return loss, {"acc": acc, "ce": jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0),
-                  "mask_frac": jnp.sum(m) / jnp.sum(response)}
+    return masked_loss(logits, tokens, masked, t, response)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:

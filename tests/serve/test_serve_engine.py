@@ -119,3 +119,26 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
         eng.shutdown()
     assert eng.stats()["slots_busy"] == 0
     np.testing.assert_equal(second.tokens, _expected(model, tok, prompts[1], 64, 64)[0])
+
+
+@pytest.mark.slow
+def test_a_llada2_model_is_served_as_generate_decodes_it():
+    """The LLaDA2-style testbed model under its own sampler (block diffusion, a cached
+    call per step after each row's first full forward): continuous batching gives each
+    request `generate`'s tokens, rows admitted while another is mid-answer."""
+    model, tok, cfg = aj.load("tiny-llada2-v4")
+    assert cfg.family == "llada2" and cfg.block_causal
+    prompts = ev.prompts_for(tasks.heldout(3, "v4"))
+    eng = Engine(model, tok, model_name="tiny-llada2-v4", sampler="llada2", slots=2,
+                 gen_lengths=(128,), chunk=3)
+    eng.start()
+    try:
+        got = [Collector() for _ in prompts]
+        for p, c in zip(prompts, got):
+            eng.submit(p, max_tokens=128, on_update=c)
+        assert all(c.done.wait(300) for c in got)
+    finally:
+        eng.shutdown()
+    for p, c in zip(prompts, got):
+        want, reason = _expected(model, tok, p, 128, 128, sampler="llada2")
+        assert c.tokens == want and c.updates[-1].finish_reason == reason
