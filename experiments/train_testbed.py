@@ -58,6 +58,10 @@ def main(argv=None):
     ap.add_argument("--long-frac", type=float, default=None,
                     help="share of batches with a 256/512-token response region "
                          "(default 0.08)")
+    ap.add_argument("--bucket-weights", default=None, metavar="W,W,...",
+                    help="relative weights of the length buckets' steps, in their order "
+                         "(v3 / v4: response regions 64, 128, 256, 512; default "
+                         "0.19,0.06,0.25,0.5)")
     ap.add_argument("--bucket-policy", choices=["smallest", "fits"], default=None,
                     help="v2: which problems a length bucket takes: only those whose "
                          "smallest bucket it is (default), or any that fits it (short "
@@ -106,9 +110,9 @@ def main(argv=None):
                      f"task set v4 (--task-set v4), not {args.task_set}")
         long_configs["v4"] = train.ar_v4_config
     if args.objective == "block":
-        if args.task_set != "v4" or args.init_from:
-            ap.error("--objective block: the LLaDA2-style model is trained from scratch on "
-                     "the task set v4 (--task-set v4, no --init-from)")
+        if args.task_set != "v4":
+            ap.error("--objective block: the LLaDA2-style model is trained on the task set "
+                     "v4 (--task-set v4)")
         long_configs["v4"] = lambda family, **changes: train.llada2_v4_config(**changes)
     if args.task_set in long_configs:
         config = long_configs[args.task_set]
@@ -124,6 +128,9 @@ def main(argv=None):
             changes.update(train.source_architecture(args.init_from), init_from=args.init_from)
         except (OSError, ValueError) as e:
             ap.error(f"--init-from: {e}")
+        if (changes["family"] == "llada2") != (args.objective == "block"):
+            ap.error(f"--init-from {args.init_from}: a {changes['family']} model; a "
+                     "llada2 model warm-starts a run of --objective block, and only it can")
         # The run keeps its own family: a Dream-style run may start from a LLaDA-style
         # model's weights (the parameter trees are the same; the logit shift is learned),
         # as Dream-7B started from an autoregressive model's.
@@ -159,6 +166,12 @@ def main(argv=None):
             tc = tc.with_long_frac(args.long_frac)
         except ValueError as e:
             ap.error(f"--long-frac: {e}")
+
+    if args.bucket_weights is not None:
+        try:
+            tc = tc.with_bucket_probs(args.bucket_weights.split(","))
+        except ValueError as e:
+            ap.error(f"--bucket-weights {args.bucket_weights}: {e}")
 
     if args.time_steps:
         trainer = train.Trainer(tc)

@@ -85,7 +85,7 @@ def _curriculum_flags(tc: dict) -> str:
     mask-ratio flags for a causal model: it masks nothing)."""
     flags = "" if tc.get("objective", "diffusion") == "causal" else (
         f" --t-max-start {tc.get('t_max_start', 1.0):g} --t-ramp {tc.get('t_ramp', 0.0):g}")
-    from asynclane_jax.testbed.train import long_frac
+    from asynclane_jax.testbed.train import V2_BUCKETS, V3_BUCKETS, long_frac
 
     if tc.get("buckets"):
         flags += f" --task-set {tc.get('task_set', 'v1')}"
@@ -97,6 +97,10 @@ def _curriculum_flags(tc: dict) -> str:
             flags += f" --shuffle-statements {tc['shuffle_statements']:g}"
         if tc.get("family_weights"):
             flags += " --family-weights " + ",".join(f"{w:g}" for w in tc["family_weights"])
+        default = V2_BUCKETS if tc.get("task_set") == "v2" else V3_BUCKETS
+        weights = [b[3] for b in tc["buckets"]]
+        if weights != [b[3] for b in default]:
+            flags += " --bucket-weights " + ",".join(f"{w:g}" for w in weights)
         return flags
     return flags + f" --long-frac {long_frac(tc['regions']):g}"
 

@@ -192,6 +192,21 @@ class TrainConfig:
         return dataclasses.replace(self, regions=((short, rows, 1.0 - frac),) + tuple(
             (r[0], r[1], frac * r[2] / total) for r in long))
 
+    def with_bucket_probs(self, probs) -> TrainConfig:
+        """A copy whose length buckets are drawn with the relative weights `probs` (one
+        per bucket, in order; normalised to sum to 1)."""
+        if not self.buckets:
+            raise ValueError("the configuration has no length buckets")
+        probs = [float(p) for p in probs]
+        if len(probs) != len(self.buckets):
+            raise ValueError(f"{len(probs)} weights for {len(self.buckets)} length buckets")
+        if any(not math.isfinite(p) or p < 0 for p in probs) or not sum(probs) > 0:
+            raise ValueError(f"weights {probs}: expected finite non-negative numbers, "
+                             "at least one above 0")
+        total = sum(probs)
+        return dataclasses.replace(self, buckets=tuple(
+            tuple(b[:3]) + (round(p / total, 6),) for b, p in zip(self.buckets, probs)))
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["regions"] = [list(r) for r in self.regions]
@@ -671,7 +686,10 @@ def source_architecture(path_or_name) -> dict:
     from asynclane_jax import checkpoint
 
     cfg, _ = checkpoint.read_config(checkpoint.resolve(path_or_name))
-    return {f: getattr(cfg, f) for f in ARCHITECTURE_FIELDS}
+    arch = {f: getattr(cfg, f) for f in ARCHITECTURE_FIELDS}
+    if cfg.family == "llada2":
+        arch["moe"] = {k: getattr(cfg, k) for k in LLADA2_V4_MOE}
+    return arch
 
 
 def _dotted(path) -> str:
