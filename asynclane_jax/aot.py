@@ -182,6 +182,16 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+_SHORT = {"all-reduce": "AR", "all-gather": "AG", "all-to-all": "A2A",
+          "reduce-scatter": "RS", "collective-permute": "CP"}
+
+
+def collectives_brief(counts: dict[str, int]) -> str:
+    """`count_collectives`' counts as a table cell: "AR 3 AG 1" (kinds with none left
+    out), "none" when there are none."""
+    return " ".join(f"{_SHORT.get(k, k)} {v}" for k, v in counts.items() if v) or "none"
+
+
 @dataclasses.dataclass
 class AotReport:
     """What the compiled decode needs per device of a TPU slice.
@@ -549,5 +559,6 @@ def run(args) -> int:
 
 
 __all__ = ["AotError", "AotReport", "COLLECTIVES", "GENERATIONS", "Slice",
-           "compile_for_topology", "count_collectives", "parse_topology", "register",
+           "collectives_brief", "compile_for_topology", "count_collectives",
+           "parse_topology", "register",
            "tpu_compiler_available", "tpu_slice"]

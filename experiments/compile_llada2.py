@@ -176,13 +176,9 @@ def _g(b) -> str:
     return "-" if b is None else f"{b / GIB:.2f}"
 
 
-def _coll(c: dict) -> str:
-    short = {"all-reduce": "AR", "all-gather": "AG", "all-to-all": "A2A",
-             "reduce-scatter": "RS", "collective-permute": "CP"}
-    return " ".join(f"{short[k]} {v}" for k, v in c.items() if v) or "none"
-
-
 def cmd_table(args) -> None:
+    from asynclane_jax import aot
+
     rows = [json.loads(x) for x in pathlib.Path(args.layer).read_text().splitlines()]
     print("| slice | mesh | routed experts computed by | experts per chip | arguments "
           "| temporaries | code | compile s | collectives | all-gathered shapes |")
@@ -190,7 +186,7 @@ def cmd_table(args) -> None:
     for r in rows:
         print(f"| {r['topology']} | {r['mesh']} | `{r['layer']}` | {r['experts_per_chip']} "
               f"| {_g(r['argument_bytes'])} | {_g(r['temp_bytes'])} | {_g(r['code_bytes'])} "
-              f"| {r['compile_s']} | {_coll(r['collectives'])} "
+              f"| {r['compile_s']} | {aot.collectives_brief(r['collectives'])} "
               f"| {' '.join(r['all_gathered']) or 'none'} |")
     if args.rows:
         print()
@@ -203,7 +199,7 @@ def cmd_table(args) -> None:
                   f"| {r.get('experts_per_chip')} | {_g(r['argument_bytes'])} "
                   f"| {_g(r['temp_bytes'])} | {_g(r['code_bytes'])} | {_g(r['peak_bytes'])} "
                   f"| {_g(r['headroom_bytes'])} | {'yes' if r['fits'] else 'no: ' + r['reason']} "
-                  f"| {r['compile_s']} | {_coll(r['collectives'])} |")
+                  f"| {r['compile_s']} | {aot.collectives_brief(r['collectives'])} |")
 
 
 def main(argv=None) -> None:

@@ -173,6 +173,8 @@ def cmd_layers(args) -> None:
 
 
 def cmd_layers_table(args) -> None:
+    from asynclane_jax import aot
+
     recs = _done(pathlib.Path(args.rows))
     print("| topology, mesh | model | sampler | batch | layers | arguments | temporaries | "
           "code | peak | compile s | collectives | command |")
@@ -188,7 +190,7 @@ def cmd_layers_table(args) -> None:
                   f"{' ' + opts if opts else ''} | {r['batch']} | {scan} | "
                   f"{_gib(r['argument_bytes'])} | {_gib(r['temp_bytes'])} | "
                   f"{_gib(r['code_bytes'])} | {_gib(r['peak_bytes'])} | {r['compile_s']:.0f} "
-                  f"| {_coll(r['collectives'])} | `{r['command']}` |")
+                  f"| {aot.collectives_brief(r['collectives'])} | `{r['command']}` |")
         if all(pair):
             u, s = pair
             def q(k, u=u, s=s):
@@ -259,13 +261,9 @@ def _gib(b):
     return "–" if b is None else f"{b / GIB:.2f}"
 
 
-def _coll(c: dict) -> str:
-    short = {"all-reduce": "AR", "all-gather": "AG", "all-to-all": "A2A",
-             "reduce-scatter": "RS", "collective-permute": "CP"}
-    return " ".join(f"{short[k]} {v}" for k, v in c.items() if v) or "none"
-
-
 def cmd_table(args) -> None:
+    from asynclane_jax import aot
+
     rows = list(_done(pathlib.Path(args.rows)).values()) if args.rows else []
     heads = list(_done(pathlib.Path(args.heads)).values()) if args.heads else []
     order = {shlex.join(command(r)): i for i, r in enumerate(ROWS)}
@@ -287,7 +285,7 @@ def cmd_table(args) -> None:
                   f"{r['batch']} | {_gib(r['argument_bytes'])} | {_gib(r['output_bytes'])} "
                   f"| {_gib(r['temp_bytes'])} | {_gib(r['code_bytes'])} | "
                   f"{_gib(r['peak_bytes'])} | {head} | {r['compile_s']:.0f} | "
-                  f"{_coll(r['collectives'])} | `{r['command']}` |")
+                  f"{aot.collectives_brief(r['collectives'])} | `{r['command']}` |")
     if heads:
         print("\n### Heads (Dream-7B width, 2 layers, batch 8, gen_length 512, v5e:2x4)\n")
         print("| sampler | mesh | heads | AR | AG | A2A | RS | CP | arguments | "

@@ -10,11 +10,11 @@ model, give the same logits and tokens without gathering an expert kernel. Issue
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import numpy as np
 import pytest
+from expert_hlo import assert_no_expert_kernel_gathered
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -96,13 +96,7 @@ def test_sharded_logits_equal_single_device(mesh):
     fn = jax.jit(forward)
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=2e-5, rtol=1e-5)
 
-    # Expert parallelism, not a gather of the experts: no all-gather in the compiled
-    # program yields a whole stacked expert kernel [E, d, m] or [E, m, d].
-    hlo = fn.lower(*args).compile().as_text()
-    E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
-    whole = {f"[{E},{d},{m}]", f"[{E},{m},{d}]"}
-    gathered = re.findall(r"= \w+(\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
-    assert not whole & set(gathered), gathered
+    assert_no_expert_kernel_gathered(fn.lower(*args).compile().as_text(), cfg)
 
 
 @pytest.mark.slow
@@ -178,10 +172,7 @@ def test_expert_parallel_routed_experts(mesh):
     fn = jax.jit(run)
     args = (x, experts, weights, placed["gate"], placed["up"], placed["down"])
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=1e-5, rtol=1e-5)
-    hlo = fn.lower(*args).compile().as_text()
-    E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
-    gathered = re.findall(r"= \w+(\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
-    assert not {f"[{E},{d},{m}]", f"[{E},{m},{d}]"} & set(gathered), gathered
+    assert_no_expert_kernel_gathered(fn.lower(*args).compile().as_text(), cfg)
 
 
 @pytest.mark.parametrize("mesh", ["data=2,tensor=4", "tensor=8"])
@@ -201,10 +192,7 @@ def test_expert_parallel_model_logits_equal_single_device(mesh):
     fn = jax.jit(forward)
     args = (state, sharding.place(tokens, plan, sharding.TOKENS))
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=2e-5, rtol=1e-5)
-    hlo = fn.lower(*args).compile().as_text()
-    E, d, m = cfg.n_experts, cfg.d_model, cfg.moe_hidden
-    gathered = re.findall(r"= \w+(\[[\d,]*\])\S* all-gather(?:-start)?\(", hlo)
-    assert not {f"[{E},{d},{m}]", f"[{E},{m},{d}]"} & set(gathered), gathered
+    assert_no_expert_kernel_gathered(fn.lower(*args).compile().as_text(), cfg)
 
 
 @pytest.mark.slow
