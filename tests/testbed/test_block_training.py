@@ -131,3 +131,36 @@ def test_the_card_of_a_llada2_model_says_what_it_is():
     assert "Block diffusion (LLaDA2's objective" in text
     assert "--objective block" in text and "--model" not in text.split("Command:")[1]
     assert "llada2: LLaDA2.0's block diffusion" in text
+
+
+def test_a_llada2_model_warm_starts_a_block_run_with_its_bucket_weights():
+    """A block-diffusion run may start from a shipped llada2 model (its architecture,
+    mixture of experts included, and its weights); --bucket-weights reweights the length
+    buckets' steps; the card's command names both."""
+    arch = train.source_architecture("tiny-llada2-v4")
+    assert arch["family"] == "llada2" and arch["moe"] == train.LLADA2_V4_MOE
+    assert "moe" not in train.source_architecture("tiny-llada-v4b")
+    arch.pop("family")
+    tc = train.llada2_v4_config(name="tiny-llada2-v4b", init_from="tiny-llada2-v4",
+                                minutes=70.0, lr=1e-3, **arch)
+    tc = tc.with_bucket_probs(["2", "0.4", "0.6", "1"])
+    assert [b[3] for b in tc.buckets] == [0.5, 0.1, 0.15, 0.25]
+    assert [b[:3] for b in tc.buckets] == [b[:3] for b in train.V3_BUCKETS]
+    fresh = nnx.split(train.DiffusionLM(tc.model_config(), rngs=nnx.Rngs(0)))[1]
+    warm = train.warm_start_params(fresh, "tiny-llada2-v4")
+    from asynclane_jax import checkpoint
+
+    source = nnx.split(checkpoint.load_model(checkpoint.resolve("tiny-llada2-v4")))[1]
+    for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(source)):
+        np.testing.assert_array_equal(a, b)
+    assert card.train_command(tc.to_dict()) == (
+        "python experiments/train_testbed.py --objective block --minutes 70 --name "
+        "tiny-llada2-v4b --lr 0.001 --init-from tiny-llada2-v4 --t-max-start 0.25 "
+        "--t-ramp 0.2 --task-set v4 --bucket-weights 0.5,0.1,0.15,0.25")
+    assert "--bucket-weights" not in card.train_command(train.llada2_v4_config().to_dict())
+    for bad, match in ((["1", "2"], "2 weights for 4"), (["0"] * 4, "at least one"),
+                       (["1", "-1", "1", "1"], "non-negative"), (["nan"] * 4, "finite")):
+        with pytest.raises(ValueError, match=match):
+            tc.with_bucket_probs(bad)
+    with pytest.raises(ValueError, match="no length buckets"):
+        _tiny().with_bucket_probs([1])
