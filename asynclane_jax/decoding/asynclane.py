@@ -28,7 +28,9 @@ One iteration (per row):
      only what it is sure of). Refine lanes: the same threshold; a lane older than
      refine_budget iterations also commits its most confident position each iteration.
      While a refine lane is open, one commit is forced every iteration: the refine
-     lanes' most confident position, else the window's, so forking never idles.
+     lanes' most confident position, else the window's, so forking never idles. On a
+     block-causal model (LLaDA2) only the first of its blocks with masks commits
+     (`Context.commit_gate`): it predicts a block from a finished prefix only.
   4. Cascading termination. An end-of-text committed at p makes every later position
      end-of-text; lanes starting after p are terminated, a lane straddling p is cut
      there, and no call is spent on the tail.
@@ -552,6 +554,10 @@ class AsyncLaneSchedule(Schedule):
     # Per-row arguments of the program (schedule.py): rows at different thresholds
     # decode in one program.
     traced_options: ClassVar[tuple[str, ...]] = ("threshold", "stable_fraction")
+    # A block-causal model (LLaDA2) decoded with its own layout: lanes commit only in
+    # the first of its blocks with masks (Context.commit_gate), so the continuation
+    # waits at a block boundary until the refine lanes before it are done.
+    gated_commits: ClassVar[bool] = True
     block_length: int = 32
     threshold: float = 0.95
     max_lanes: int | None = None
@@ -713,6 +719,7 @@ class AsyncLaneSchedule(Schedule):
         P, G, B = ctx.prompt_len, ctx.gen_length, self.block_length
         gen = canvas[:, P:]  # [b, G]
         pred, pconf, has = scatter_predictions(ctx, out)
+        has = has & ctx.commit_gate(gen)  # a block-causal model: its first unfinished block
         owner = self._refine_owner(st, G)  # once per iteration: the plan's lanes
         new = commit_phase(
             ctx, gen, pred, pconf, has, st, text_frontier(st.eos, G, self.cascade),

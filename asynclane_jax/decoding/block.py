@@ -29,6 +29,12 @@ This is how AsyncLane refreshes its rows, so at batch > 1 it is the baseline's e
 footing; each row decodes the same tokens either way, and at batch 1 the calls are the
 same too.
 
+A block-causal model decoded with its own layout (LLaDA2: blocks of 32 from each row's
+first prompt token, not from the prompt's end): the threshold samplers commit only in
+the first of the model's blocks that holds a mask (`gated_commits`,
+`Context.commit_gate`), so a block of B straddling two of the model's decodes them in
+order, each from a finished prefix, as the model was trained.
+
 The cascade (`cascade`, off by default, as published) puts a block sampler on
 AsyncLane's footing (asynclane.py): an end-of-text committed at p ends the row there:
 every later position becomes end-of-text at once (mid-block, unlike `early_stop`, which
@@ -103,6 +109,11 @@ class BlockSchedule(Schedule):
     # computed over the served rows alone. A sampler whose `select` keeps such state
     # sets this False.
     compact_full: ClassVar[bool] = True
+    # A block-causal model decoded with its own layout: only the first of its blocks
+    # with masks commits (Context.commit_gate), so a block of B that straddles two of
+    # the model's decodes their positions in order. The first masked position of the
+    # block is always allowed, so every served iteration still commits.
+    gated_commits: ClassVar[bool] = True
     block_length: int | None = None
     cache: str = "none"
     early_stop: bool = False
@@ -212,7 +223,9 @@ class BlockSchedule(Schedule):
         cols = self._columns(ctx, state.block)
         logits, has = out.at(cols)
         blk = jnp.take_along_axis(canvas, cols, axis=1)
-        masked = (blk == ctx.mask_id) & out.serve[:, None] & has
+        gate = jnp.take_along_axis(ctx.commit_gate(canvas[:, ctx.prompt_len:]),
+                                   cols - ctx.prompt_len, axis=1)
+        masked = (blk == ctx.mask_id) & out.serve[:, None] & has & gate
         commit, x0, pstate = self.select(logits, masked, state.step_in_block, key,
                                          state.policy)
         if ctx.shift and self.shift_commits_block_start:
@@ -270,6 +283,9 @@ class FixedStepsSchedule(BlockSchedule):
 
     footing_options: ClassVar[tuple[str, ...]] = ("early_stop", "cascade")
     bench_defaults: ClassVar[tuple[str, ...]] = ()
+    # A fixed count of commits per step finishes each block in its steps; a gate could
+    # leave fewer positions to commit than the count, so these decode ungated.
+    gated_commits: ClassVar[bool] = False
     steps: int | None = None
 
     def __post_init__(self):

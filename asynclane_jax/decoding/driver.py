@@ -89,10 +89,15 @@ class DecodeState:
 def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,
                  traced=None) -> Context:
     b, T = canvas_shape
-    return Context(batch=b, prompt_len=T - schedule.gen_length, gen_length=schedule.gen_length,
-                   shift=1 if cfg.logit_shift else 0, mask_id=cfg.mask_token_id,
-                   eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
-                   pad_len=pad_len, operands=operands, traced=traced)
+    ctx = Context(batch=b, prompt_len=T - schedule.gen_length, gen_length=schedule.gen_length,
+                  shift=1 if cfg.logit_shift else 0, mask_id=cfg.mask_token_id,
+                  eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
+                  pad_len=pad_len, operands=operands, traced=traced)
+    if schedule.attention_blocks(ctx) is None:  # the model's own attention
+        blocks = model_attention_blocks(cfg, ctx)
+        if blocks is not None and schedule.gated_commits:
+            ctx = dataclasses.replace(ctx, commit_blocks=blocks[:, ctx.prompt_len:])
+    return ctx
 
 
 def traced_arrays(schedule: Schedule, b: int) -> dict | None:

@@ -136,10 +136,30 @@ class Context:
     # traced arguments of the program; None when the caller gave none (the schedule's
     # own values are then constants of the program: `Schedule.row_option`).
     traced: Any = None
+    # [b, G] int32 the model's attention block of each generated position, when the
+    # decode uses a block-causal model's own layout (a LLaDA2 model under a schedule that
+    # sets none: `model_attention_blocks`); None otherwise. See `commit_gate`.
+    commit_blocks: Any = None
 
     @property
     def length(self) -> int:  # T = P + G
         return self.prompt_len + self.gen_length
+
+    def commit_gate(self, gen):
+        """[b, G] bool: the generated positions a schedule may commit now (gen: [b, G]
+        the generated region before the commit).
+
+        A block-causal model is trained with every earlier block finished: a noisy block
+        attends to a clean prefix (LLaDA2's block diffusion). Decoded with its own layout
+        by a schedule whose blocks or lanes do not follow it (they start at the prompt's
+        end, or run ahead), a position may commit only in the first of the model's blocks
+        that still holds a mask, or an earlier one: so every commit is predicted from the
+        finished prefix the model was trained on. Everywhere else every position may."""
+        if self.commit_blocks is None:
+            return jnp.ones(gen.shape, bool)
+        last = jnp.iinfo(jnp.int32).max
+        first = jnp.min(jnp.where(gen == self.mask_id, self.commit_blocks, last), axis=-1)
+        return self.commit_blocks <= first[:, None]
 
     def is_stop(self, tokens):
         """Whether each token is an end-of-text token."""
@@ -181,6 +201,10 @@ class Schedule:
     # the schedule reads them inside the trace with `row_option`, never as
     # `self.<name>`. Validation stays on the host, in `__post_init__`.
     traced_options: ClassVar[tuple[str, ...]] = ()
+    # Whether the schedule commits only where `ctx.commit_gate` allows: the driver then
+    # sets `ctx.commit_blocks` when it decodes a block-causal model with the model's own
+    # layout.
+    gated_commits: ClassVar[bool] = False
     gen_length: int
 
     def __post_init__(self):

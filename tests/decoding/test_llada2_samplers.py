@@ -1,9 +1,12 @@
 """Samplers other than `llada2` on a block-causal LLaDA2 model, through the one driver:
 D2F (made for block-causal students) decodes the tiny random LLaDA2 model as its
 restatement of the public D2F decoding does, token for token and call for call; a sampler
-with no attention layout of its own (fast-dllm) gets the model's, LLaDA2's blocks."""
+with no attention layout of its own (fast-dllm, asynclane) gets the model's, LLaDA2's
+blocks, and commits a position only once the blocks before it are finished."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -34,8 +37,11 @@ def test_d2f_decodes_llada2_as_its_restatement():
 def _threshold_block_causal(model, prompt, *, gen_length, block_length, threshold):
     """Fast-dLLM's threshold rule without a cache (every step a forward over the
     canvas), restated on LLaDA2's attention: blocks of 32 columns from the first prompt
-    token, a query seeing its own block and the earlier ones. Returns (tokens, steps,
-    smallest gap between a confidence and the threshold)."""
+    token, a query seeing its own block and the earlier ones; a position commits only
+    once every earlier attention block is finished (Context.commit_gate), so a block of
+    the sampler that straddles two attention blocks decodes the first one's positions,
+    then the second's. Returns (tokens, steps, smallest gap between a confidence and the
+    threshold, how many steps a gate held back a position over the threshold)."""
     import jax
     import jax.numpy as jnp
 
@@ -44,19 +50,23 @@ def _threshold_block_causal(model, prompt, *, gen_length, block_length, threshol
     canvas = np.asarray(list(prompt) + [mask] * gen_length, np.int32)
     blocks = np.arange(P + gen_length, dtype=np.int32) // 32
     forward = jax.jit(lambda c: model(c[None], block_ids=jnp.asarray(blocks)[None])[0])
-    steps, gap = 0, np.inf
+    steps, gap, held = 0, np.inf, 0
     for start in range(P, P + gen_length, block_length):
         span = np.arange(start, start + block_length)
         while np.any(canvas[span] == mask):
             probs = np.asarray(jax.nn.softmax(forward(jnp.asarray(canvas)), axis=-1))
             steps += 1
-            cand = span[canvas[span] == mask]
+            masked = span[canvas[span] == mask]
+            first = blocks[P:][canvas[P:] == mask].min()  # the first unfinished block
+            cand = masked[blocks[masked] <= first]
+            later = masked[blocks[masked] > first]
+            held += bool(len(later)) and bool(np.any(probs[later].max(-1) >= threshold))
             conf = probs[cand].max(-1)
             commit = conf >= threshold
             commit[np.argmax(conf)] = True
             gap = min(gap, float(np.min(np.abs(conf - threshold))))
             canvas[cand[commit]] = probs[cand[commit]].argmax(-1)
-    return canvas[P:], steps, gap
+    return canvas[P:], steps, gap, held
 
 
 @pytest.mark.slow
@@ -68,10 +78,62 @@ def test_a_sampler_without_a_layout_decodes_llada2_with_its_blocks():
     prompts = make_prompts(model.cfg.vocab_size)
     res = generate(model, prompts, sampler="fast-dllm", cache="none", gen_length=40,
                    block_length=8, threshold=0.7)
+    held = 0
     for i, p in enumerate(prompts):
         assert (len(p) + 40) > 32  # every row spans two attention blocks
-        tokens, steps, gap = _threshold_block_causal(model, p, gen_length=40,
-                                                     block_length=8, threshold=0.7)
+        tokens, steps, gap, h = _threshold_block_causal(model, p, gen_length=40,
+                                                        block_length=8, threshold=0.7)
         assert gap > 1e-5
         np.testing.assert_array_equal(res.tokens[i], tokens, err_msg=f"row {i}")
         assert res.stats.row_nfe_full[i] == steps
+        held += h
+    assert held  # the gate decided something: a position over the threshold waited
+
+
+
+def _gate_breaches(prompts, tokens, commit_step, stop_ids) -> int:
+    """Generated positions committed while an earlier attention block (LLaDA2's blocks
+    of 32 from the row's first prompt token) still held a mask: at a row iteration no
+    later than some position of an earlier block. The end-of-text tail a cascade or an
+    early stop writes is left out (it is not predicted)."""
+    breaches = 0
+    for prompt, row, steps in zip(prompts, tokens, commit_step):
+        stops = [j for j, t in enumerate(row) if int(t) in stop_ids]
+        end = stops[0] + 1 if stops else len(row)
+        blocks = (len(prompt) + np.arange(len(row))) // 32
+        breaches += sum(bool(np.any(steps[:end][blocks[:end] < blocks[j]] >= steps[j]))
+                        for j in range(end))
+    return breaches
+
+
+def _ungated(schedule):
+    """The same schedule, of a subclass that does not ask the driver for the gate."""
+    cls = type(f"Ungated{type(schedule).__name__}", (type(schedule),),
+               {"gated_commits": False})
+    return cls(**{f.name: getattr(schedule, f.name)
+                  for f in dataclasses.fields(schedule) if f.init})
+
+
+@pytest.mark.slow
+def test_samplers_that_run_ahead_commit_only_after_the_earlier_blocks():
+    """tiny-llada2-v4 under AsyncLane (which forks and runs its continuation ahead) and
+    Fast-dLLM's dual cache (blocks from the prompt's end, straddling the model's): no
+    position commits before every earlier attention block is finished, as the model
+    was trained (Context.commit_gate); with the gate off both do."""
+    import asynclane_jax as aj
+    from asynclane_jax.decoding import make_schedule
+    from asynclane_jax.testbed import evaluate as ev
+    from asynclane_jax.testbed import tasks
+
+    model, tok, cfg = aj.load("tiny-llada2-v4")
+    prompts = ev.prompts_for(tasks.heldout(4, "v4"))
+    stop_ids = set(cfg.stop_token_ids)
+    for name, options in (("asynclane", {}), ("fast-dllm", {"cache": "dual"})):
+        schedule = make_schedule(name, gen_length=64, **options)
+        for sched, gated in ((schedule, True), (_ungated(schedule), False)):
+            res = generate(model, prompts, sampler=sched, gen_length=64, tokenizer=tok)
+            assert not np.any(res.tokens == cfg.mask_token_id)
+            breaches = _gate_breaches(prompts, res.tokens, res.stats.commit_step, stop_ids)
+            assert (breaches == 0) == gated, (name, gated, breaches)
+            if name == "asynclane":
+                assert np.sum(res.stats.forks) > 0  # the continuation did run ahead
