@@ -318,7 +318,7 @@ def test_rules_on_hand_made_logits():
 
 @pytest.mark.slow
 def test_the_shipped_llada2_model_decodes_as_its_card_says():
-    """tiny-llada2-v4, the LLaDA2-style testbed model, under its own sampler at gen
+    """tiny-llada2-v4b, the LLaDA2-style testbed model, under its own sampler at gen
     length 512: the first 8 held-out problems of task set v4 come out right or wrong
     (and with as many exact lines) as its recorded 500-problem evaluation says, no mask
     is left, and each row makes one full forward, the rest cached calls."""
@@ -329,10 +329,10 @@ def test_the_shipped_llada2_model_decodes_as_its_card_says():
     from asynclane_jax.testbed import evaluate as ev
     from asynclane_jax.testbed import tasks
 
-    model, _, cfg = aj.load("tiny-llada2-v4")
+    model, _, cfg = aj.load("tiny-llada2-v4b")
     assert cfg.family == "llada2" and cfg.block_causal and cfg.n_experts == 8
     record = json.loads((pathlib.Path(__file__).parents[2] / "experiments" / "results" /
-                         "testbed" / "testbed_tiny-llada2-v4_eval_llada2_512.json").read_text())
+                         "testbed" / "testbed_tiny-llada2-v4b_eval_llada2_512.json").read_text())
     problems = tasks.heldout(8, "v4")
     res = generate(model, ev.prompts_for(problems), sampler="llada2", gen_length=512)
     assert not np.any(res.tokens == cfg.mask_token_id)
