@@ -42,6 +42,10 @@ def _cmd_info(args) -> int:
     cfg = preset(args.preset) if args.preset else read_config(args.model)[0]
     stats = param_stats(cfg)
     out = {"name": args.preset or str(args.model), **stats, "config": cfg.to_dict()}
+    if cfg.is_moe:
+        from asynclane_jax.models.config import n_active_params
+
+        out["active_params"] = n_active_params(cfg.to_dict())
     if args.quantize != "none":
         from flax import nnx
 
@@ -55,6 +59,8 @@ def _cmd_info(args) -> int:
     else:
         line = (f"{out['name']}: {stats['params']:,} parameters in {stats['tensors']} tensors, "
                 f"{stats['bytes_bf16'] / 2**30:.2f} GiB in bfloat16")
+        if "active_params" in out:
+            line += f", {out['active_params']:,} active per token"
         if args.quantize != "none":
             line += (f", {out['bytes_' + args.quantize] / 2**30:.2f} GiB with {args.quantize} "
                      "linear layers (embedding and norms in bfloat16)")

@@ -64,6 +64,23 @@ def n_params(cfg_fields: Mapping[str, Any]) -> int:
     return c["vocab_size"] * d + c["n_layers"] * block + d + head
 
 
+def n_active_params(cfg_fields: Mapping[str, Any], *, embeddings: bool = True) -> int:
+    """The parameters one token's forward uses: `n_params` for a dense config; for a
+    mixture-of-experts one, every parameter but the routed experts a token does not
+    choose (each expert layer uses n_experts_per_tok of its n_experts). embeddings=False
+    leaves out the embedding table and the untied output head (the "non-embedding"
+    count model cards give)."""
+    c = cfg_fields
+    total = n_params(c)
+    if c.get("family") == "llada2":
+        unused = c["n_experts"] - c["n_experts_per_tok"]
+        total -= ((c["n_layers"] - c["first_dense_layers"]) * unused
+                  * 3 * c["d_model"] * c["moe_hidden"])
+    if not embeddings:
+        total -= c["vocab_size"] * c["d_model"] * (1 if c.get("tie_embeddings") else 2)
+    return total
+
+
 def _moe_layers_params(c: Mapping[str, Any], attn: int) -> int:
     """The layers of a LLaDA2 config: attention (plus the per-head q/k norms), the first
     `first_dense_layers` with a dense SwiGLU, the rest with a router (kernel and
@@ -441,6 +458,19 @@ def llada2_mini() -> LLaDA2Config:
         n_expert_groups=8, n_topk_groups=4, routed_scaling=2.5, rotary_dim=64)
 
 
+def llada2_flash() -> LLaDA2Config:
+    """inclusionAI/LLaDA2.0-flash (100B total). Its dimensions are those of the flash
+    config.json that the authors' training framework (github.com/inclusionAI/dFactory,
+    configs/model_configs/llada2_flash) ships; that framework's mini config equals the
+    published LLaDA2.0-mini config in every field this model reads except the context
+    length (16384 there, 32768 published), so the context length, the tokens and the
+    routing, which the two sizes share, are taken from `llada2_mini`. Not checked
+    against the published flash checkpoint's own config or index (docs/llada2.md)."""
+    return llada2_mini().replace(
+        d_model=4096, n_layers=32, n_heads=32, n_kv_heads=4, head_dim=128,
+        mlp_hidden=9216, moe_hidden=1024)
+
+
 def tiny_llada2(vocab_size: int = 64) -> LLaDA2Config:
     """A small LLaDA2-shaped config for tests: 3 layers (the first dense), 8 experts in
     4 groups, top-2 of the best 2 groups, one shared expert, half-rotary heads."""
@@ -461,6 +491,7 @@ PRESETS = {
     "tiny-llada-test": tiny_llada,
     "tiny-dream-test": tiny_dream,
     "llada2-mini": llada2_mini,
+    "llada2-flash": llada2_flash,
     "tiny-llada2-test": tiny_llada2,
 }
 

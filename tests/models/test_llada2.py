@@ -29,7 +29,12 @@ from asynclane_jax.models import (
     preset,
 )
 from asynclane_jax.models import moe as moe_lib
-from asynclane_jax.models.config import LLADA2_FIELDS, LLaDA2Config, n_params
+from asynclane_jax.models.config import (
+    LLADA2_FIELDS,
+    LLaDA2Config,
+    n_active_params,
+    n_params,
+)
 from checkpoints_convert.names import expected_sources
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -80,6 +85,36 @@ def test_mini_preset_has_the_published_size(capsys):
     assert main(["info", "--preset", "llada2-mini", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == stats["params"] and out["config"]["n_experts"] == 256
+
+
+# The parameter figures the LLaDA2.0 model cards give, activated per token and activated
+# without the embedding and head, as (digits, unit): the cards truncate, so 1,432,973,056
+# is "1.4B" and 789,147,392 is "789M".
+PUBLISHED_ACTIVE = {"llada2-mini": ((14, 10**8), (789, 10**6)),
+                    "llada2-flash": ((61, 10**8), (48, 10**8))}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
+def test_active_parameters_match_the_model_cards(name):
+    cfg = preset(name).to_dict()
+    (active, unit), (non_embedding, ne_unit) = PUBLISHED_ACTIVE[name]
+    assert n_active_params(cfg) // unit == active
+    assert n_active_params(cfg, embeddings=False) // ne_unit == non_embedding
+    # A dense config uses every parameter.
+    dense = preset("llada-8b-instruct").to_dict()
+    assert n_active_params(dense) == n_params(dense)
+
+
+def test_flash_preset_is_the_framework_config_at_the_published_context():
+    """llada2-flash: the authors' training framework's flash config (its dimensions,
+    docs/llada2.md), read through the published mini config's other fields."""
+    flash = {**LLADA2_MINI, "hidden_size": 4096, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "intermediate_size": 9216,
+             "moe_intermediate_size": 1024}
+    assert from_hf_config(flash) == preset("llada2-flash")
+    stats = param_stats(preset("llada2-flash"))
+    assert stats["params"] == n_params(preset("llada2-flash").to_dict()) == 102_889_705_216
+    assert stats["tensors"] == 446  # 32 layers, the first dense
 
 
 def test_published_mini_config_reads_as_the_preset():
