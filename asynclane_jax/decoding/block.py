@@ -30,10 +30,17 @@ footing; each row decodes the same tokens either way, and at batch 1 the calls a
 same too.
 
 A block-causal model decoded with its own layout (LLaDA2: blocks of 32 from each row's
-first prompt token, not from the prompt's end): the threshold samplers commit only in
-the first of the model's blocks that holds a mask (`gated_commits`,
-`Context.commit_gate`), so a block of B straddling two of the model's decodes them in
-order, each from a finished prefix, as the model was trained.
+first prompt token, not from the prompt's end): the threshold samplers (`gated_commits`)
+follow the model's blocks. Their blocks start where the model's do: the first one
+`lead` positions before the generation, in the prompt's tail (those columns are queried,
+never committed), the last one cut at the canvas's end, one block more than
+gen_length / B where the lead is not 0 (`_lead`). With B a multiple of the model's
+block (the default 32), a block is whole model blocks: its queries see every column
+their attention reaches that can change (the later blocks are invisible to it), so a
+cache refreshed when the block starts stays exact. They also commit only in the first
+of the model's blocks that holds a mask (`Context.commit_gate`), so a block of any
+other B that straddles two of the model's decodes them in order, each from a finished
+prefix, as the model was trained.
 
 The cascade (`cascade`, off by default, as published) puts a block sampler on
 AsyncLane's footing (asynclane.py): an end-of-text committed at p ends the row there:
@@ -68,7 +75,7 @@ ROW_REFRESH_MAX_ROWS = 256
 
 @struct.dataclass
 class BlockState:
-    block: jax.Array  # [b] int32 current block index; == num_blocks once the row is done
+    block: jax.Array  # [b] int32 current block index; == the row's block count once done
     step_in_block: jax.Array  # [b] int32 iterations the row has spent in its block
     policy: Any  # the sampler's own state (pytree)
 
@@ -156,9 +163,11 @@ class BlockSchedule(Schedule):
         # Every served iteration commits at least one token; with a cache a row may also
         # wait while its batch mates finish their blocks (at most G iterations in all).
         # With row_refresh a cached iteration serves every live row (so there are at
-        # most G of them) and a full one at least one row entering a block.
-        extra = self.num_blocks * ROW_REFRESH_MAX_ROWS if self.row_refresh else 0
-        return 2 * self.gen_length + self.num_blocks + 2 + extra
+        # most G of them) and a full one at least one row entering a block. Blocks that
+        # follow a block-causal model's may number one more (`_lead`).
+        blocks = self.num_blocks + 1
+        extra = blocks * ROW_REFRESH_MAX_ROWS if self.row_refresh else 0
+        return 2 * self.gen_length + blocks + 2 + extra
 
     # -- the sampler's part ---------------------------------------------------------
     def init_policy(self, ctx: Context) -> Any:
@@ -191,20 +200,45 @@ class BlockSchedule(Schedule):
                           step_in_block=jnp.zeros((b,), jnp.int32),
                           policy=self.init_policy(ctx))
 
+    def _lead(self, ctx: Context):
+        """[b] int32: how far before the generation each row's first block starts. 0
+        (blocks from the prompt's end) unless the decode follows a block-causal model's
+        own blocks (ctx.commit_lead: LLaDA2's blocks run from each row's first prompt
+        token, so the one holding the first generated positions starts `lead` prompt
+        positions earlier); then the blocks start where the model's do, so a block of B
+        that is a multiple of the model's is whole model blocks and a cache refreshed
+        when it starts stays exact while it decodes (the prompt's tail in the first
+        block is queried with it; the last block is cut at the canvas's end)."""
+        if ctx.commit_lead is None:
+            return jnp.zeros((ctx.batch,), jnp.int32)
+        return ctx.commit_lead % self.block_length
+
+    def _block_count(self, ctx: Context):
+        """[b] int32 blocks of each row: one more where the blocks start before the
+        generation (`_lead`), the last one cut at the canvas's end."""
+        return self.num_blocks + (self._lead(ctx) > 0).astype(jnp.int32)
+
     def _columns(self, ctx: Context, block):
-        """[b, B] canvas columns of each row's current block (the last for finished rows)."""
+        """[b, B] canvas columns of each row's current block (the last for finished
+        rows); columns at or past T (a last block cut at the canvas's end) are no
+        column."""
         B = self.block_length
-        start = ctx.prompt_len + jnp.minimum(block, self.num_blocks - 1) * B
+        last = self._block_count(ctx) - 1
+        start = ctx.prompt_len - self._lead(ctx) + jnp.minimum(block, last) * B
         return start[:, None] + jnp.arange(B, dtype=jnp.int32)[None, :]
 
-    def query_size(self) -> int:
-        return self.gen_length if self.cache == "prefix" else self.block_length
+    def query_size(self, ctx: Context) -> int:
+        if self.cache != "prefix":
+            return self.block_length
+        # The block's start to the canvas's end; a block may start before the generation.
+        return self.gen_length + (0 if ctx.commit_lead is None else self.block_length - 1)
 
     def plan(self, ctx: Context, canvas, state: BlockState, live) -> Plan:
-        T, Q, B = ctx.length, self.query_size(), self.block_length
+        T, Q, B = ctx.length, self.query_size(ctx), self.block_length
         cols = self._columns(ctx, state.block)
+        cols = jnp.where(cols < T, cols, T)  # T: no query
         pad = jnp.full((ctx.batch, Q - B), T, jnp.int32)
-        full_q = jnp.concatenate([cols - ctx.shift, pad], axis=1)  # every column predicted
+        full_q = jnp.concatenate([jnp.where(cols < T, cols - ctx.shift, T), pad], axis=1)
         if not self.uses_cache:
             return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
         need = live & (state.step_in_block == 0)
@@ -218,14 +252,17 @@ class BlockSchedule(Schedule):
                     serve=jnp.where(refresh, need, live & ~need))
 
     def update(self, ctx: Context, canvas, state: BlockState, out: CallOutput, key):
-        b, B = ctx.batch, self.block_length
+        b, B, T, P = ctx.batch, self.block_length, ctx.length, ctx.prompt_len
         rows = jnp.arange(b)[:, None]
         cols = self._columns(ctx, state.block)
+        valid = cols < T  # a last block cut at the canvas's end
+        cols = jnp.minimum(cols, T - 1)  # read; written through `put` (invalid: dropped)
+        put = jnp.where(valid, cols, T)
         logits, has = out.at(cols)
         blk = jnp.take_along_axis(canvas, cols, axis=1)
-        gate = jnp.take_along_axis(ctx.commit_gate(canvas[:, ctx.prompt_len:]),
-                                   cols - ctx.prompt_len, axis=1)
-        masked = (blk == ctx.mask_id) & out.serve[:, None] & has & gate
+        gate = jnp.take_along_axis(ctx.commit_gate(canvas[:, P:]),
+                                   jnp.clip(cols - P, 0, ctx.gen_length - 1), axis=1)
+        masked = (blk == ctx.mask_id) & out.serve[:, None] & has & gate & valid
         commit, x0, pstate = self.select(logits, masked, state.step_in_block, key,
                                          state.policy)
         if ctx.shift and self.shift_commits_block_start:
@@ -236,20 +273,21 @@ class BlockSchedule(Schedule):
         x0 = ops.never_the_mask(logits, x0, ctx.mask_id)
         commit = commit & masked
         new_blk = jnp.where(commit, x0, blk)
-        canvas = canvas.at[rows, cols].set(new_blk)
+        canvas = canvas.at[rows, put].set(new_blk, mode="drop")
         if self.cascade:  # an end-of-text at p: every later position is end-of-text
             canvas = self._cascade(ctx, canvas, out.serve)
             new_blk = jnp.take_along_axis(canvas, cols, axis=1)
-        block_done = out.serve & ~jnp.any(new_blk == ctx.mask_id, axis=1)
+        block_done = out.serve & ~jnp.any((new_blk == ctx.mask_id) & valid, axis=1)
         block = state.block + block_done
+        count = self._block_count(ctx)
         if self.early_stop:
-            stop = block_done & jnp.any(ctx.is_stop(new_blk), axis=1)
-            after = jnp.arange(ctx.length)[None, :] > cols[:, -1:]
+            stop = block_done & jnp.any(ctx.is_stop(new_blk) & valid & (cols >= P), axis=1)
+            after = jnp.arange(T)[None, :] > cols[:, -1:]
             canvas = jnp.where(stop[:, None] & after, ctx.eos_id, canvas)
-            block = jnp.where(stop, self.num_blocks, block)
+            block = jnp.where(stop, count, block)
         if self.cascade:  # nothing left to decode: the row is done
-            ended = out.serve & ~jnp.any(canvas[:, ctx.prompt_len:] == ctx.mask_id, axis=1)
-            block = jnp.where(ended, self.num_blocks, block)
+            ended = out.serve & ~jnp.any(canvas[:, P:] == ctx.mask_id, axis=1)
+            block = jnp.where(ended, count, block)
         step_in_block = jnp.where(block_done, 0, state.step_in_block + out.serve)
         return canvas, BlockState(block=block.astype(jnp.int32),
                                   step_in_block=step_in_block.astype(jnp.int32),
@@ -268,7 +306,7 @@ class BlockSchedule(Schedule):
         return canvas.at[:, P:].set(jnp.where(tail, ctx.eos_id, gen))
 
     def done(self, ctx: Context, canvas, state: BlockState):
-        return state.block >= self.num_blocks
+        return state.block >= self._block_count(ctx)
 
 
 @dataclasses.dataclass(frozen=True)

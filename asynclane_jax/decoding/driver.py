@@ -49,7 +49,7 @@ from asynclane_jax.decoding.schedule import (
     Plan,
     SamplerError,
     Schedule,
-    model_attention_blocks,
+    attention_layout,
 )
 from asynclane_jax.decoding.stats import MAX_CALL_SHAPES, CallShape
 from asynclane_jax.models.model import KVCache
@@ -93,10 +93,13 @@ def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,
                   shift=1 if cfg.logit_shift else 0, mask_id=cfg.mask_token_id,
                   eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
                   pad_len=pad_len, operands=operands, traced=traced)
-    if schedule.attention_blocks(ctx) is None:  # the model's own attention
-        blocks = model_attention_blocks(cfg, ctx)
-        if blocks is not None and schedule.gated_commits:
-            ctx = dataclasses.replace(ctx, commit_blocks=blocks[:, ctx.prompt_len:])
+    blocks, own = attention_layout(schedule, cfg, ctx)
+    if own and blocks is not None and schedule.gated_commits:
+        P = ctx.prompt_len
+        cols = jnp.arange(T, dtype=jnp.int32)[None, :]
+        lead = (cols < P) & (cols >= pad_len[:, None]) & (blocks == blocks[:, P:P + 1])
+        ctx = dataclasses.replace(ctx, commit_blocks=blocks[:, P:],
+                                  commit_lead=jnp.sum(lead, axis=1, dtype=jnp.int32))
     return ctx
 
 
@@ -219,9 +222,7 @@ class ModelCalls:
             raise SamplerError(f"{schedule.name}: classifier-free guidance needs cache='none'")
         self.n_live = n_live  # [] rows counted in tokens_processed
         # [b, T] or None (bidirectional): the schedule's layout, else the model's own.
-        self.block_ids = schedule.attention_blocks(ctx)
-        if self.block_ids is None:
-            self.block_ids = model_attention_blocks(model.cfg, ctx)
+        self.block_ids, _ = attention_layout(schedule, model.cfg, ctx)
         self.vocab = model.cfg.vocab_size
 
     def no_logits(self, plan: Plan):

@@ -113,6 +113,17 @@ def model_attention_blocks(cfg, ctx):
     return None
 
 
+def attention_layout(schedule, cfg, ctx):
+    """The attention every call of a decode uses, decided once: (block ids, own) where
+    block ids is the schedule's layout (`Schedule.attention_blocks`), else the model's
+    own (`model_attention_blocks`: [b, T], or None for bidirectional), and own says it is
+    the model's."""
+    blocks = schedule.attention_blocks(ctx)
+    if blocks is not None:
+        return blocks, False
+    return model_attention_blocks(cfg, ctx), True
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """Facts about the canvas that every schedule needs; built inside the trace.
@@ -140,6 +151,10 @@ class Context:
     # decode uses a block-causal model's own layout (a LLaDA2 model under a schedule that
     # sets none: `model_attention_blocks`); None otherwise. See `commit_gate`.
     commit_blocks: Any = None
+    # [b] int32 with commit_blocks: the prompt positions in the model's block that holds
+    # generated position 0 (0 when the generation starts a block). A block schedule
+    # starts its blocks there, so that they follow the model's (block.py).
+    commit_lead: Any = None
 
     @property
     def length(self) -> int:  # T = P + G

@@ -48,6 +48,7 @@ def full_calls(stats):
 
 def test_compacted_full_forwards_decode_as_the_whole_batch_ones(shipped):
     model, tokenizer, prompts = shipped
+    driver.clear_compiled()  # another test of this process may have built `lean`'s program
     with compaction(False):
         whole = generate(model, prompts, tokenizer=tokenizer, **OPTS)
     with compaction(True):

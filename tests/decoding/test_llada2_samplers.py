@@ -37,22 +37,26 @@ def test_d2f_decodes_llada2_as_its_restatement():
 def _threshold_block_causal(model, prompt, *, gen_length, block_length, threshold):
     """Fast-dLLM's threshold rule without a cache (every step a forward over the
     canvas), restated on LLaDA2's attention: blocks of 32 columns from the first prompt
-    token, a query seeing its own block and the earlier ones; a position commits only
-    once every earlier attention block is finished (Context.commit_gate), so a block of
-    the sampler that straddles two attention blocks decodes the first one's positions,
-    then the second's. Returns (tokens, steps, smallest gap between a confidence and the
-    threshold, how many steps a gate held back a position over the threshold)."""
+    token, a query seeing its own block and the earlier ones. The sampler's blocks of B
+    start where the attention's do: the first one (P mod 32) mod B prompt positions
+    before the generation, the last one cut at the canvas's end. A position commits
+    only once every earlier attention block is finished (Context.commit_gate), so a
+    block of the sampler that straddles two attention blocks decodes the first one's
+    positions, then the second's. Returns (tokens, steps, smallest gap between a
+    confidence and the threshold, how many steps a gate held back a position over the
+    threshold)."""
     import jax
     import jax.numpy as jnp
 
     mask = model.cfg.mask_token_id
-    P = len(prompt)
+    P, T = len(prompt), len(prompt) + gen_length
     canvas = np.asarray(list(prompt) + [mask] * gen_length, np.int32)
-    blocks = np.arange(P + gen_length, dtype=np.int32) // 32
+    blocks = np.arange(T, dtype=np.int32) // 32
     forward = jax.jit(lambda c: model(c[None], block_ids=jnp.asarray(blocks)[None])[0])
     steps, gap, held = 0, np.inf, 0
-    for start in range(P, P + gen_length, block_length):
-        span = np.arange(start, start + block_length)
+    lead = (P % 32) % block_length
+    for start in range(P - lead, T, block_length):
+        span = np.arange(max(start, P), min(start + block_length, T))
         while np.any(canvas[span] == mask):
             probs = np.asarray(jax.nn.softmax(forward(jnp.asarray(canvas)), axis=-1))
             steps += 1
@@ -72,23 +76,45 @@ def _threshold_block_causal(model, prompt, *, gen_length, block_length, threshol
 @pytest.mark.slow
 def test_a_sampler_without_a_layout_decodes_llada2_with_its_blocks():
     """fast-dllm sets no attention layout; on a LLaDA2 model the driver gives it the
-    model's own (blocks of 32 from the first prompt token), so it decodes as its
-    threshold rule restated on that attention, row by row in a left-padded batch."""
+    model's own (blocks of 32 from the first prompt token), and its blocks follow the
+    model's, so it decodes as its threshold rule restated on that attention, row by row
+    in a left-padded batch. Blocks of 12 do not divide the model's 32: the gate orders
+    the two attention blocks a sampler block straddles."""
     model = tiny_llada2(lm_scale=60.0)
     prompts = make_prompts(model.cfg.vocab_size)
-    res = generate(model, prompts, sampler="fast-dllm", cache="none", gen_length=40,
-                   block_length=8, threshold=0.7)
-    held = 0
+    res = generate(model, prompts, sampler="fast-dllm", cache="none", gen_length=48,
+                   block_length=12, threshold=0.7)
+    held, leads = 0, set()
     for i, p in enumerate(prompts):
-        assert (len(p) + 40) > 32  # every row spans two attention blocks
-        tokens, steps, gap, h = _threshold_block_causal(model, p, gen_length=40,
-                                                        block_length=8, threshold=0.7)
+        assert (len(p) + 48) > 32  # every row spans two attention blocks
+        leads.add((len(p) % 32) % 12)
+        tokens, steps, gap, h = _threshold_block_causal(model, p, gen_length=48,
+                                                        block_length=12, threshold=0.7)
         assert gap > 1e-5
         np.testing.assert_array_equal(res.tokens[i], tokens, err_msg=f"row {i}")
         assert res.stats.row_nfe_full[i] == steps
         held += h
     assert held  # the gate decided something: a position over the threshold waited
+    assert len(leads) > 1  # the rows' blocks start at different places
 
+
+@pytest.mark.slow
+def test_blocks_that_follow_the_model_keep_the_caches_exact():
+    """With blocks of the model's 32, a Fast-dLLM block is one attention block of the
+    model: what its cached calls do not recompute (the finished blocks before it) cannot
+    change, and what comes after it is not attended. So the prefix and dual caches give
+    the tokens of no cache, every row, and spend fewer full forwards."""
+    model = tiny_llada2(lm_scale=60.0)
+    prompts = make_prompts(model.cfg.vocab_size)
+    runs = {cache: generate(model, prompts, sampler="fast-dllm", cache=cache,
+                            gen_length=64, block_length=32, threshold=0.7)
+            for cache in ("none", "prefix", "dual")}
+    assert not np.any(runs["none"].tokens == model.cfg.mask_token_id)
+    for cache in ("prefix", "dual"):
+        np.testing.assert_array_equal(runs[cache].tokens, runs["none"].tokens,
+                                      err_msg=cache)
+        assert runs[cache].stats.nfe_partial > 0
+        assert runs[cache].stats.nfe_full < runs["none"].stats.nfe_full
 
 
 def _gate_breaches(prompts, tokens, commit_step, stop_ids) -> int:
