@@ -3,7 +3,8 @@ computes on one: the stacked expert kernels split along their expert axis on the
 axis (expert parallelism), attention as the dense models' (the fused q/k/v kernel
 replicated, the output projection split by heads), the logits equal to the
 single-device ones and the decoded tokens (the llada2 sampler, d2f, which follows the
-model's block-causal attention too, and vanilla) the same; the expert-parallel routed experts
+model's block-causal attention too, vanilla, and fast-dllm's dual cache with its blocks
+following the model's) the same; the expert-parallel routed experts
 (`sharding.routed_experts`, which SparseMoE calls) equal `moe.routed_experts` and, in the
 model, give the same logits and tokens without gathering an expert kernel. Issue 45 item 4."""
 
@@ -100,12 +101,15 @@ def test_sharded_logits_equal_single_device(mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["llada2", "d2f", "vanilla"])
-def test_sharded_tokens_equal_single_device(sampler):
+@pytest.mark.parametrize("sampler,options", [
+    ("llada2", {}), ("d2f", {}), ("vanilla", {}),
+    # blocks following the model's, each row from its own lead (block.py)
+    ("fast-dllm", {"cache": "dual"})])
+def test_sharded_tokens_equal_single_device(sampler, options):
     model, cfg = tiny()
     rng = np.random.default_rng(1)
     ids = [[int(t) for t in rng.integers(0, cfg.vocab_size - 3, n)] for n in (5, 9, 3)]
-    kw = dict(sampler=sampler, gen_length=32)
+    kw = dict(sampler=sampler, gen_length=32, **options)
     base = generate(model, ids, **kw)
     for mesh in ("data=2,tensor=4", "tensor=8"):
         res = generate(model, ids, mesh=sharding.plan_for(cfg, mesh), **kw)
