@@ -22,20 +22,12 @@ import argparse
 import json
 import pathlib
 import shlex
-import subprocess
 import sys
 
 import numpy as np
+from cost_projection import _commit  # the repository's HEAD, as the projections record it
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def route_counts(model, canvases) -> np.ndarray:
