@@ -473,10 +473,13 @@ def routed_experts(x, experts, weights, gate, up, down, dtype, scales=None):
     spread = PartitionSpec(axes if len(axes) > 1 else axes[0])
     quantized = scales is not None
 
-    def local(x, experts, weights, gate, up, down, *local_scales):
+    def local(x, experts, weights, ids, gate, up, down, *local_scales):
         n, k = experts.shape
         held = gate.shape[0]  # this chip's experts: first .. first + held - 1
-        first = jax.lax.axis_index(axes if len(axes) > 1 else axes[0]) * held
+        # Its first expert's id, from the ids split as the kernels are (not
+        # `axis_index`: the TPU compiler refuses the partition id it lowers to when
+        # other mesh axes stay with the compiler, e.g. data=2,tensor=4 at 20 layers).
+        first = ids[0]
         flat = experts.reshape(-1) - first
         mine = (flat >= 0) & (flat < held)
         key = jnp.where(mine, flat, held)  # other chips' pairs sort last, in no group
@@ -500,9 +503,10 @@ def routed_experts(x, experts, weights, gate, up, down, dtype, scales=None):
     extra = tuple(scales) if quantized else ()
     fn = jax.shard_map(local, mesh=plan.mesh, axis_names=frozenset(axes),
                        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(), spread,
-                                 spread, spread) + (spread,) * len(extra),
+                                 spread, spread, spread) + (spread,) * len(extra),
                        out_specs=PartitionSpec())
-    return fn(x, experts, weights, gate, up, down, *extra).astype(dtype)
+    ids = jnp.arange(gate.shape[0], dtype=jnp.int32)
+    return fn(x, experts, weights, ids, gate, up, down, *extra).astype(dtype)
 
 
 __all__ = ["ACTIVATION", "CACHE", "EXPERT_KERNELS", "HEAD_POLICIES", "MESH_AXES",

@@ -177,6 +177,10 @@ def test_expert_parallel_routed_experts(mesh):
     args = (x, experts, weights, placed["gate"], placed["up"], placed["down"])
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=1e-5, rtol=1e-5)
     assert_no_expert_kernel_gathered(fn.lower(*args).compile().as_text(), cfg)
+    # Each chip finds its first expert from split ids, not from its partition id, which
+    # the TPU compiler refused inside this shard_map for llada2-mini on data=2,tensor=4
+    # (experiments/results/compile/llada2.md).
+    assert "partition_id" not in fn.lower(*args).as_text()
 
 
 @pytest.mark.parametrize("mesh", ["data=2,tensor=4", "tensor=8"])
