@@ -31,9 +31,9 @@ same too.
 
 A block-causal model decoded with its own layout (LLaDA2: blocks of 32 from each row's
 first prompt token, not from the prompt's end): the threshold samplers (`gated_commits`)
-follow the model's blocks. Their blocks start where the model's do: the first one
-`lead` positions before the generation, in the prompt's tail (those columns are queried,
-never committed), the last one cut at the canvas's end, one block more than
+follow the model's blocks. Their blocks are laid out from the model's: the first one
+starts `lead` positions before the generation, in the prompt's tail (those columns are
+queried, never committed), the last one is cut at the canvas's end, one block more than
 gen_length / B where the lead is not 0 (`_lead`). With B a multiple of the model's
 block (the default 32), a block is whole model blocks: its queries see every column
 their attention reaches that can change (the later blocks are invisible to it), so a
@@ -204,11 +204,12 @@ class BlockSchedule(Schedule):
         """[b] int32: how far before the generation each row's first block starts. 0
         (blocks from the prompt's end) unless the decode follows a block-causal model's
         own blocks (ctx.commit_lead: LLaDA2's blocks run from each row's first prompt
-        token, so the one holding the first generated positions starts `lead` prompt
-        positions earlier); then the blocks start where the model's do, so a block of B
-        that is a multiple of the model's is whole model blocks and a cache refreshed
-        when it starts stays exact while it decodes (the prompt's tail in the first
-        block is queried with it; the last block is cut at the canvas's end)."""
+        token, so the one holding the first generated positions starts
+        ctx.commit_lead prompt positions earlier); then the first block starts that lead
+        mod B positions early, so a block of B that is a multiple of the model's is
+        whole model blocks and a cache refreshed when it starts stays exact while it
+        decodes (the prompt's tail in the first block is queried with it; the last
+        block is cut at the canvas's end)."""
         if ctx.commit_lead is None:
             return jnp.zeros((ctx.batch,), jnp.int32)
         return ctx.commit_lead % self.block_length
