@@ -158,8 +158,17 @@ def make_mesh(spec: str | Mesh | None, devices: Sequence | None = None) -> Mesh 
     shape = tuple(sizes[a] for a in MESH_AXES)
     # Auto axes: the compiler propagates shardings from the annotated arrays (Explicit,
     # this JAX's default, rejects the embedding gather from a vocab-sharded table).
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    try:
+        return jax.make_mesh(shape, MESH_AXES,
+                             axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    except NotImplementedError as e:
+        # A TPU slice's chips form a torus: each mesh axis must be a product of whole
+        # physical axes (e.g. tensor=8 does not fit a 4x4 slice's axes of 4 and 4).
+        raise ShardingError(
+            f"mesh {spec!r} ({','.join(f'{a}={n}' for a, n in sizes.items())}) cannot "
+            f"be laid over these {len(devices)} devices' physical layout: each mesh "
+            f"axis must be a product of whole physical axes ({str(e).splitlines()[0]})"
+        ) from None
 
 
 def describe(mesh: Mesh) -> str:

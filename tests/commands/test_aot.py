@@ -70,6 +70,17 @@ def test_cli_bad_topology_is_a_usage_error(capsys):
     assert "GENERATION:SHAPE" in capsys.readouterr().err
 
 
+@needs_libtpu
+def test_cli_mesh_that_does_not_fit_the_torus_is_a_usage_error(capsys):
+    # tensor=8 is no product of a 4x4 slice's physical axes (4 and 4).
+    rc = cli.main(["aot", "--preset", "tiny-llada-test", "--topology", "v6e:4x4",
+                   "--mesh", "data=2,tensor=8"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "data=2,fsdp=1,tensor=8" in err and "physical axes" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.tpu_aot
 @needs_libtpu
 def test_compile_for_v5e_slice():
