@@ -74,11 +74,15 @@ def n_active_params(cfg_fields: Mapping[str, Any], *, embeddings: bool = True) -
     total = n_params(c)
     if c.get("family") == "llada2":
         unused = c["n_experts"] - c["n_experts_per_tok"]
-        total -= ((c["n_layers"] - c["first_dense_layers"]) * unused
-                  * 3 * c["d_model"] * c["moe_hidden"])
+        total -= (c["n_layers"] - c["first_dense_layers"]) * unused * _expert_params(c)
     if not embeddings:
         total -= c["vocab_size"] * c["d_model"] * (1 if c.get("tie_embeddings") else 2)
     return total
+
+
+def _expert_params(c: Mapping[str, Any]) -> int:
+    """One routed expert of a LLaDA2 config: a SwiGLU of width moe_hidden."""
+    return 3 * c["d_model"] * c["moe_hidden"]
 
 
 def _moe_layers_params(c: Mapping[str, Any], attn: int) -> int:
@@ -89,7 +93,7 @@ def _moe_layers_params(c: Mapping[str, Any], attn: int) -> int:
     shared = c["moe_hidden"] * c["n_shared_experts"]
     common = attn + 2 * h + 2 * d
     dense = common + 3 * d * c["mlp_hidden"]
-    moe = common + d * E + E + E * 3 * d * c["moe_hidden"] + 3 * d * shared
+    moe = common + d * E + E + E * _expert_params(c) + 3 * d * shared
     first = c["first_dense_layers"]
     return first * dense + (c["n_layers"] - first) * moe
 
