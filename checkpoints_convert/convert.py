@@ -402,13 +402,6 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
     _check_destination(src_path if src_exists else None, dst, force)
     snap, cfg, assignments, adapter = prepare(src, dtype=dtype, lora=lora, cache_dir=cache_dir)
     _check_destination(snap.folder, dst, force)
-    if cfg.is_moe:
-        asked = [flag for flag, on in (("--lora", lora), ("--scan-layers", scan_layers))
-                 if on]
-        if asked:
-            raise ConvertError(f"{', '.join(asked)} with a mixture-of-experts ({cfg.family}) "
-                               "checkpoint: not built yet (docs/llada2.md); nothing was "
-                               "written")
     out_dtype = NP_DTYPES[cfg.param_dtype]
     total = sum(snap.tensors[n].nbytes for n in assignments)
 
@@ -448,6 +441,9 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
                     into = stacks[a.target][0][a.index]
                 if adapter is not None and info.name in adapter.pairs:
                     out = to_output(adapter.merge(info.name, source.read()), a, out_dtype)
+                    if into is not None:  # an expert's slice: into its stacked array
+                        into[...] = out
+                        out = into
                     merged += 1
                 else:
                     out = read_output(source, a, out_dtype, out=into)
@@ -490,7 +486,7 @@ def _convert(src, dst, *, dtype, lora, force, progress, cache_dir, block_causal,
             extra[checkpoint.INT8_OUT_IN_KEY] = list(out_in)
             out_bytes = sum(v.nbytes for v in checkpoint.flat_arrays(params).values())
         if scan_layers:  # one stacked array per layer tensor; their digests as stored
-            params = stack_layer_params(params, cfg.n_layers)
+            params = stack_layer_params(params, cfg.n_layers, cfg.layer_stacks())
             digests = {k: v for k, v in digests.items() if not k.startswith("layers.")}
             digests.update({k: checkpoint.digest_entry(v) for k, v in
                             checkpoint.flat_arrays({"layers": params["layers"]}).items()})

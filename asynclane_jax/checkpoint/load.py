@@ -132,7 +132,8 @@ def load_model(folder: str | os.PathLike, *, dtype: str | None = None,
                                   quantized=quantize_lib.quantized_names(abs_state))
                 if stored_mode is None and mode is not None else None)
     params = restore_params(folder / PARAMS_DIR, as_stored, digests=digests, on_read=quantize)
-    params = transform_lib.relayout_params(params, model_cfg.n_layers, target)
+    params = transform_lib.relayout_params(params, model_cfg.n_layers, target,
+                                            model_cfg.layer_stacks())
     params = transform_lib.place(params, target)
     nnx.replace_by_pure_dict(abs_state, restore_keys(params, nnx.to_pure_dict(abs_state)))
     return nnx.merge(graphdef, abs_state)

@@ -76,11 +76,12 @@ def merge_read(tree):
     return out
 
 
-def relayout_params(params: dict, n_layers: int, target: dict) -> dict:
+def relayout_params(params: dict, n_layers: int, target: dict, stacks=None) -> dict:
     """Parameters (string keys, arrays on their devices) in the layer layout of
-    `target` (ShapeDtypeStructs with shardings, as `load_model` builds), each result
-    placed by its target's sharding. Exact; consumes `params`' layers (one layer tensor
-    in both layouts at a time)."""
+    `target` (ShapeDtypeStructs with shardings, as `load_model` builds; its stacks
+    `stacks`, `ModelConfig.layer_stacks()`), each result placed by its target's
+    sharding. Exact; consumes `params`' layers (one layer tensor in both layouts at a
+    time)."""
     from asynclane_jax.models.model import layer_layout, stack_layer_params, unstack_layer_params
 
     want = layer_layout(target)
@@ -89,9 +90,10 @@ def relayout_params(params: dict, n_layers: int, target: dict) -> dict:
     layers = params.pop("layers")
     params = {k: v for k, v in params.items()}
     if want == "stacked":
-        out = stack_layer_params({"layers": layers}, n_layers)["layers"]
+        out = stack_layer_params({"layers": layers}, n_layers, stacks)["layers"]
     else:
-        out = unstack_layer_params({"layers": layers}, n_layers, str_keys=True)["layers"]
+        out = unstack_layer_params({"layers": layers}, n_layers, stacks,
+                                   str_keys=True)["layers"]
     del layers
     params["layers"] = jax.tree.map(lambda a, t: jax.device_put(a, t.sharding),
                                     out, target["layers"])

@@ -29,6 +29,9 @@ SIZE_LIMITS = {
 MAX_PARAMS = 10**12  # parameters (a 1T-parameter dense model is 2 TB in bfloat16)
 INT_FIELDS = tuple(SIZE_LIMITS)
 TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "pad_token_id", "eot_token_id")
+# The names of a scanned model's stacks when its layers differ (`layer_stacks`): the
+# dense first layers and the expert layers of a LLaDA2 model.
+STACK_NAMES = ("dense", "moe")
 BOOL_FIELDS = ("qkv_bias", "tie_embeddings", "logit_shift", "block_causal", "scan_layers",
                "causal")
 
@@ -189,10 +192,6 @@ def moe_problems(c: Mapping[str, Any]) -> list[str]:
     value = c["routed_scaling"]
     if not is_real(value) or value <= 0:
         problems.append(f"routed_scaling={show(value)}: must be a finite positive number")
-    if c.get("scan_layers") is True:
-        problems.append("scan_layers=true: the stacked layer layout needs layers of one "
-                        "shape, and a LLaDA2 model mixes dense and expert layers "
-                        "(not built yet)")
     if not ok:
         return problems
     E, k, G, g = (c["n_experts"], c["n_experts_per_tok"], c["n_expert_groups"],
@@ -253,7 +252,8 @@ class ModelConfig:
       scan_layers: the parameter layout and the layer loop. False: one Block per layer
         (parameters `layers.<i>.<name>`), unrolled in every compiled call. True: one
         Block whose parameters are the layers' stacked along a leading [L] axis
-        (`layers.<name>`), run by a scan, so a compiled call holds one layer body. A
+        (`layers.<name>`), run by a scan, so a compiled call holds one layer body
+        (a LLaDA2 model with dense first layers: two such stacks, `layer_stacks`). A
         converted folder stores the layout its config names; `checkpoint.load(...,
         scan_layers=)` reads either into either.
       causal: trained as an autoregressive LM (next-token loss, causal attention over
@@ -309,6 +309,13 @@ class ModelConfig:
         """Whether layer `index` has routed experts instead of a dense SwiGLU."""
         del index
         return False
+
+    def layer_stacks(self) -> tuple[tuple[str | None, int, int], ...]:
+        """The scanned layout's stacks (`scan_layers`): runs of consecutive layers of
+        one structure, each (name, first, stop), each stacked along its own leading
+        axis and run by its own scan. One stack of every layer, named None (its arrays
+        directly under `layers`), unless the layers differ (`LLaDA2Config`)."""
+        return ((None, 0, self.n_layers),)
 
     @property
     def jnp_param_dtype(self):
@@ -394,6 +401,15 @@ class LLaDA2Config(ModelConfig):
 
     def moe_layer(self, index: int) -> bool:
         return index >= self.first_dense_layers
+
+    def layer_stacks(self) -> tuple[tuple[str | None, int, int], ...]:
+        """Two stacks when the first layers are dense and the rest have experts:
+        ("dense", 0, F) and ("moe", F, L) (`layers.dense.<name>` [F, ...] and
+        `layers.moe.<name>` [L - F, ...]); one otherwise."""
+        first, n = self.first_dense_layers, self.n_layers
+        if 0 < first < n:
+            return ((STACK_NAMES[0], 0, first), (STACK_NAMES[1], first, n))
+        return ((None, 0, n),)
 
 
 # --------------------------------------------------------------------------- presets

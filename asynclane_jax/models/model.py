@@ -511,8 +511,20 @@ class Block(nnx.Module):
 
 # ------------------------------------------------------------------ layer layouts
 # "unrolled": one Block per layer, parameters layers.<i>.<name> [...];
-# "stacked": one Block, parameters layers.<name> [L, ...] (`ModelConfig.scan_layers`).
+# "stacked": one Block, parameters layers.<name> [L, ...] (`ModelConfig.scan_layers`);
+# a model whose layers differ has one Block per stack (`ModelConfig.layer_stacks`),
+# parameters layers.<stack>.<name> [stop - first, ...].
 LAYER_AXIS = "layers"  # the logical name of the stacked axis (never sharded)
+Stacks = tuple  # of (name or None, first layer, stop): `ModelConfig.layer_stacks()`
+
+
+class LayerStacks(nnx.Module):
+    """The scanned layout of a model whose layers differ: one stacked Block per stack,
+    each an attribute named as its stack (`ModelConfig.layer_stacks`)."""
+
+    def __init__(self, blocks: dict):
+        for name, block in blocks.items():
+            setattr(self, name, block)
 
 
 def stack_blocks(blocks) -> Block:
@@ -547,27 +559,53 @@ def _stack(xs):
     return np.stack(xs) if all(isinstance(x, np.ndarray) for x in xs) else jnp.stack(xs)
 
 
-def stack_layer_params(params: dict, n_layers: int) -> dict:
+def _checked_stacks(n_layers: int, stacks: Stacks | None) -> Stacks:
+    """The stacks (default: one of every layer), checked to cover 0..n_layers - 1 in
+    order, and to be named unless there is one."""
+    stacks = tuple(stacks) if stacks else ((None, 0, n_layers),)
+    bounds = [b for _, a, b in stacks]
+    if [a for _, a, _ in stacks] != [0] + bounds[:-1] or bounds[-1] != n_layers or \
+            any(b <= a for _, a, b in stacks) or \
+            (len(stacks) > 1 and any(name is None for name, _, _ in stacks)):
+        raise ValueError(f"layer stacks {stacks} do not split layers 0..{n_layers - 1}")
+    return stacks
+
+
+def _stack_of(stacked: dict, name: str | None, stacks: Stacks) -> dict:
+    if name is None:
+        return stacked
+    if set(stacked) != {n for n, _, _ in stacks}:
+        raise ValueError(f"the stacked layers hold {sorted(map(str, stacked))}, expected "
+                         f"the stacks {[n for n, _, _ in stacks]}")
+    return stacked[name]
+
+
+def stack_layer_params(params: dict, n_layers: int, stacks: Stacks | None = None) -> dict:
     """An unrolled parameter dict (pure dict: `layers` -> {0: {...}, 1: ...}, int or
-    string keys) in the stacked layout (`layers` -> {...} with [L, ...] arrays); exact.
-    Consumes the input's `layers` entry (emptied as it goes): each layer array is
-    dropped as soon as it is stacked, so the two layouts' copies of the layers never
+    string keys) in the stacked layout (`layers` -> {...} with [L, ...] arrays, or
+    `layers` -> {stack: {...}} with each stack's layers, `ModelConfig.layer_stacks()`);
+    exact. Consumes the input's `layers` entry (emptied as it goes): each layer array
+    is dropped as soon as it is stacked, so the two layouts' copies of the layers never
     coexist beyond one stacked array."""
     if layer_layout(params) == "stacked":
         return params
+    stacks = _checked_stacks(n_layers, stacks)
     layers = params["layers"]
     keys = sorted(layers, key=lambda k: int(k))
     if [int(k) for k in keys] != list(range(n_layers)):
         raise ValueError(f"the parameters have layers {[int(k) for k in keys][:8]}, "
                          f"expected 0..{n_layers - 1}")
     flat = [_flatten(layers.pop(k)) for k in keys]
-    names = list(flat[0])
-    for i, f in enumerate(flat):
-        if list(f) != names:
-            raise ValueError(f"layer {keys[i]} has other parameters than layer {keys[0]}")
     out: dict = {}
-    for name in names:
-        _put(out, name, _stack([f.pop(name) for f in flat]))
+    for stack, first, stop in stacks:
+        names = list(flat[first])
+        for i in range(first, stop):
+            if set(flat[i]) != set(names):  # the order a converter wrote them may differ
+                raise ValueError(f"layer {keys[i]} has other parameters than layer "
+                                 f"{keys[first]}")
+        target = out if stack is None else out.setdefault(stack, {})
+        for name in names:
+            _put(target, name, _stack([f.pop(name) for f in flat[first:stop]]))
     del flat
     layers.clear()
     params = dict(params)
@@ -575,24 +613,30 @@ def stack_layer_params(params: dict, n_layers: int) -> dict:
     return params
 
 
-def unstack_layer_params(params: dict, n_layers: int, *, str_keys: bool = False) -> dict:
-    """A stacked parameter dict in the unrolled layout (layer keys ints, or strings
-    with str_keys); exact. Consumes the input's `layers` entry: each stacked array is
-    dropped as soon as it is split."""
+def unstack_layer_params(params: dict, n_layers: int, stacks: Stacks | None = None, *,
+                         str_keys: bool = False) -> dict:
+    """A stacked parameter dict (`stack_layer_params`' layout for these stacks) in the
+    unrolled layout (layer keys ints, or strings with str_keys); exact. Consumes the
+    input's `layers` entry: each stacked array is dropped as soon as it is split."""
     if layer_layout(params) == "unrolled":
         return params
-    flat = _flatten(params["layers"])
+    stacks = _checked_stacks(n_layers, stacks)
+    flats = [(_flatten(_stack_of(params["layers"], stack, stacks)), stack, first, stop)
+             for stack, first, stop in stacks]
+    for flat, stack, first, stop in flats:
+        for name, a in flat.items():
+            if a.shape[:1] != (stop - first,):
+                where = ".".join(map(str, ((stack,) if stack else ()) + name))
+                raise ValueError(f"layers.{where}: shape {tuple(a.shape)}, expected a "
+                                 f"leading axis of {stop - first} layers")
     params["layers"].clear()
-    for name, a in flat.items():
-        if a.shape[:1] != (n_layers,):
-            raise ValueError(f"layers.{'.'.join(map(str, name))}: shape {tuple(a.shape)}, "
-                             f"expected a leading axis of {n_layers} layers")
     out: dict = {(str(i) if str_keys else i): {} for i in range(n_layers)}
-    for name in list(flat):
-        a = flat.pop(name)
-        for i in range(n_layers):
-            _put(out[str(i) if str_keys else i], name, a[i])
-        del a
+    for flat, _, first, stop in flats:
+        for name in list(flat):
+            a = flat.pop(name)
+            for i in range(first, stop):
+                _put(out[str(i) if str_keys else i], name, a[i - first])
+            del a
     params = dict(params)
     params["layers"] = out
     return params
@@ -674,18 +718,25 @@ class DiffusionLM(nnx.Module):
         blocks = [Block(cfg, rngs=rngs, moe_layer=cfg.moe_layer(i)) for i in range(cfg.n_layers)]
         # The same random blocks in either layout: a stacked model is the unrolled one's
         # parameters stacked, for one seed.
-        self.layers = stack_blocks(blocks) if cfg.scan_layers else nnx.List(blocks)
+        if not cfg.scan_layers:
+            self.layers = nnx.List(blocks)
+        elif len(cfg.layer_stacks()) == 1:
+            self.layers = stack_blocks(blocks)
+        else:
+            self.layers = LayerStacks({name: stack_blocks(blocks[first:stop])
+                                       for name, first, stop in cfg.layer_stacks()})
         self.final_norm = RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
                         Linear(cfg.d_model, cfg.vocab_size, ("embed", "vocab"), bias=False,
                                cfg=cfg, rngs=rngs))
 
     def _scan(self, x, rot, cache, rows, write_index, key_len, out_rows, kw):
-        """The stacked layers as one `jax.lax.scan`: carry (x, cache), over the layer
-        index, each iteration reading its layer's parameters from the Block's [L, ...]
+        """The stacked layers as one `jax.lax.scan` per stack (`cfg.layer_stacks()`,
+        one unless the layers differ): carry (x, cache), over the layer index, each
+        iteration reading its layer's parameters from the stack's Block's [n, ...]
         arrays (and writing and reading that layer of the carried cache in place). With
         out_rows the last layer, whose output is read only at those rows, runs after
-        the scan on them alone.
+        the scans on them alone.
 
         lax.scan over the split Block, not `nnx.scan`: the decode merges the model
         inside its jit and calls it inside lax.cond / while_loop branches, and
@@ -693,26 +744,31 @@ class DiffusionLM(nnx.Module):
         extract graph node from different trace level"). The split state is plain
         arrays, which any trace may scan.
         """
-        block_def, stacked = nnx.split(self.layers)
-        L = self.cfg.n_layers
+        stacks = self.cfg.layer_stacks()
+        for n, (stack, first, stop) in enumerate(stacks):
+            block = self.layers if stack is None else getattr(self.layers, stack)
+            block_def, stacked = nnx.split(block)
 
-        def layer(index):
-            return nnx.merge(block_def, jax.tree.map(
-                lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), stacked))
+            def layer(index, block_def=block_def, stacked=stacked, first=first):
+                # The layer's parameters at its place in the stack; `index` (the
+                # model's layer) addresses the cache.
+                return nnx.merge(block_def, jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, index - first,
+                                                           keepdims=False), stacked))
 
-        def body(carry, index):
-            x, cache = carry
-            x, cache = layer(index).step(index, x, rot, cache, rows, write_index, key_len,
-                                         **kw)
-            return (sharding.constrain(x, sharding.ACTIVATION), cache), None
+            def body(carry, index, layer=layer):
+                x, cache = carry
+                x, cache = layer(index).step(index, x, rot, cache, rows, write_index,
+                                             key_len, **kw)
+                return (sharding.constrain(x, sharding.ACTIVATION), cache), None
 
-        n_scanned = L if out_rows is None else L - 1
-        index = jnp.arange(n_scanned, dtype=jnp.int32)
-        x, cache = jax.lax.scan(body, (x, cache), index)[0]
-        if out_rows is not None:
-            last = jnp.asarray(L - 1, jnp.int32)
-            x, cache = layer(last).step(last, x, rot, cache, rows, write_index, key_len,
-                                        out_rows=out_rows, **kw)
+            last = n == len(stacks) - 1 and out_rows is not None
+            index = jnp.arange(first, stop - 1 if last else stop, dtype=jnp.int32)
+            x, cache = jax.lax.scan(body, (x, cache), index)[0]
+            if last:
+                i = jnp.asarray(stop - 1, jnp.int32)
+                x, cache = layer(i).step(i, x, rot, cache, rows, write_index, key_len,
+                                         out_rows=out_rows, **kw)
         return x, cache
 
     def _logits(self, x):
@@ -855,6 +911,6 @@ def param_stats(cfg: ModelConfig) -> dict:
             "bytes_f32": int(n) * 4}
 
 
-__all__ = ["DiffusionLM", "KVCache", "init_model", "abstract_model", "param_stats", "rope",
-           "attention", "stack_blocks", "layer_layout", "stack_layer_params",
+__all__ = ["DiffusionLM", "KVCache", "LayerStacks", "init_model", "abstract_model",
+           "param_stats", "rope", "attention", "stack_blocks", "layer_layout", "stack_layer_params",
            "unstack_layer_params"]

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from asynclane_jax.models.config import ConfigError, show
+from asynclane_jax.models.config import STACK_NAMES, ConfigError, show
 
 # What `quantize=` accepts: None (or "none") for full precision, or one of these.
 MODES = ("int8",)
@@ -164,10 +164,14 @@ def quantized_paths(abs_state) -> set[tuple]:
 
 
 def name_pattern(name: str) -> str:
-    """A dotted parameter name without its layer (and any other integer) components,
-    the same in both layer layouts: "layers.3.mlp.experts.gate_proj" ->
+    """A dotted parameter name without its layer (and any other integer) components
+    and without a scanned layout's stack name, the same in both layer layouts:
+    "layers.3.mlp.experts.gate_proj" and "layers.moe.mlp.experts.gate_proj" ->
     "layers.mlp.experts.gate_proj"."""
-    return ".".join(p for p in str(name).split(".") if not p.isdigit())
+    parts = str(name).split(".")
+    if len(parts) > 2 and parts[0] == "layers" and parts[1] in STACK_NAMES:
+        parts = parts[:1] + parts[2:]
+    return ".".join(p for p in parts if not p.isdigit())
 
 
 def quantized_names(abs_state) -> frozenset[str]:

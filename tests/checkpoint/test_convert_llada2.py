@@ -21,8 +21,9 @@ import torch
 from flax import nnx
 from hostile import leftovers
 
-from asynclane_jax import load
+from asynclane_jax import checkpoint, load
 from asynclane_jax.checkpoint.verify import verify_folder
+from asynclane_jax.models.model import stack_layer_params
 from checkpoints_convert import convert as conv
 from checkpoints_convert.export import hf_tensors
 
@@ -138,12 +139,79 @@ def test_nonfinite_expert_is_refused(tmp_path, capsys):
     _convert_fails(tmp_path, capsys, t, "NaN or infinite", "layers.2.mlp.experts.gate_proj[*]")
 
 
-@pytest.mark.parametrize("flag", [["--scan-layers"]])  # --quantize: test_llada2_int8.py
-def test_options_not_built_for_experts_are_refused(tmp_path, capsys, flag):
-    src, _, _ = snapshot(tmp_path / "src")
-    rc, _, err = run_cli(capsys, src, tmp_path / "dst", *flag)
-    assert rc == 2 and "not built yet" in err and "nothing was written" in err
-    assert not (tmp_path / "dst").exists() and leftovers(tmp_path) == []
+def test_scan_layers_stacks_dense_and_expert_layers(tmp_path, capsys):
+    """--scan-layers on a LLaDA2 checkpoint: the dense first layer and the expert layers
+    stacked apart (`layers.dense`, `layers.moe`); the reference's logits; read back into
+    the unrolled layout exactly; int8 quantized on read into either layout, or at
+    conversion, the same arrays."""
+    src, hf, tensors = snapshot(tmp_path / "src")
+    rc, _, err = run_cli(capsys, src, tmp_path / "flat", "--dtype", "float32")
+    assert rc == 0, err
+    rc, _, err = run_cli(capsys, src, tmp_path / "stacked", "--dtype", "float32",
+                         "--scan-layers")
+    assert rc == 0, err
+    digests = json.loads((tmp_path / "stacked" / "digests.json").read_text())["arrays"]
+    assert digests["layers.moe.mlp.experts.down_proj"]["shape"] == [2, 8, 16, 32]
+    assert digests["layers.dense.mlp.down_proj.kernel"]["shape"] == [1, 64, 32]
+    assert verify_folder(tmp_path / "stacked") == len(digests)
+    model, _, cfg = load(tmp_path / "stacked")
+    assert cfg.scan_layers
+    ours = np.asarray(forward(model, jnp.asarray(TOKENS)))
+    want = R.logits(hf, tensors, TOKENS)
+    assert np.max(np.abs(ours - want)) <= 1e-4
+    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
+    np.testing.assert_array_equal(
+        np.asarray(model.layers.moe.mlp.experts.down_proj[...])[1, 5],
+        tensors["model.layers.2.mlp.experts.5.down_proj.weight"].numpy().T)
+
+    def params(folder, **kw):
+        return checkpoint.flat_arrays(checkpoint.params_to_numpy(
+            checkpoint.load_model(tmp_path / folder, **kw)))
+
+    def stacked(flat):
+        tree = checkpoint.params_to_numpy(flat)
+        return checkpoint.flat_arrays(stack_layer_params(tree, 3, cfg.layer_stacks()))
+
+    def same(a, b):
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
+
+    same(params("stacked", scan_layers=False), params("flat"))
+    int8 = checkpoint.load_model(tmp_path / "flat", quantize="int8")
+    assert np.asarray(int8.layers[2].mlp.experts.up_proj[...]).dtype == np.int8
+    same(params("flat", scan_layers=True, quantize="int8"), stacked(int8))
+    same(params("stacked", quantize="int8"), stacked(int8))
+    rc, _, err = run_cli(capsys, src, tmp_path / "stacked8", "--dtype", "float32",
+                         "--scan-layers", "--quantize", "int8")
+    assert rc == 0, err
+    same(params("stacked8"), stacked(int8))
+    assert leftovers(tmp_path) == []
+
+
+def test_lora_merged_into_experts_and_fused_attention(tmp_path, capsys):
+    """A LoRA adapter on the fused q/k/v, the attention output, and every SwiGLU
+    projection (the dense layer's, each routed expert's and the shared expert's) merged
+    at conversion, each expert's merge in its slice of the stacked array: the
+    reference's logits on the weights merged in torch."""
+    src, hf, base = snapshot(tmp_path / "src")
+    merged = H.write_lora_adapter(tmp_path / "lora", base, [
+        "query_key_value", "dense", "gate_proj", "up_proj", "down_proj"])
+    n = sum(not torch.equal(merged[k], base[k]) for k in base)
+    assert n == 3 * 2 + 3 + 2 * (8 + 1) * 3  # attention, dense MLP, experts + shared
+    rc, out, err = run_cli(capsys, src, tmp_path / "dst", "--lora", tmp_path / "lora",
+                           "--dtype", "float32")
+    assert rc == 0, err
+    assert f"{n} LoRA-merged" in out
+    model, _, _ = load(tmp_path / "dst")
+    ours = np.asarray(forward(model, jnp.asarray(TOKENS)))
+    want = R.logits(hf, merged, TOKENS)
+    assert np.max(np.abs(ours - want)) <= 2e-4
+    np.testing.assert_array_equal(ours.argmax(-1), want.argmax(-1))
+    assert np.max(np.abs(ours - R.logits(hf, base, TOKENS))) > 1e-2
+    np.testing.assert_array_equal(
+        np.asarray(model.layers[1].mlp.experts.up_proj[...])[6],
+        merged["model.layers.1.mlp.experts.6.up_proj.weight"].numpy().T)
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path):

@@ -18,7 +18,7 @@ from flax import nnx
 import asynclane_jax
 from asynclane_jax import checkpoint
 from asynclane_jax.decoding import generate
-from asynclane_jax.models import KVCache, init_model, tiny_dream, tiny_llada
+from asynclane_jax.models import KVCache, init_model, preset, tiny_dream, tiny_llada
 from asynclane_jax.models.model import layer_layout, stack_layer_params, unstack_layer_params
 from asynclane_jax.testbed import evaluate, tasks
 from checkpoints_convert import convert as conv
@@ -84,6 +84,50 @@ def test_scanned_forward_matches_unrolled(cfg, blocks):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=TOL)
         # A cache entry at the bound's far side was never written by the cached call.
         assert np.array_equal(np.asarray(got[3].k[:, :, -1]), np.asarray(got[1].k[:, :, -1]))
+
+
+def test_llada2_two_stacks_match_unrolled():
+    """A LLaDA2 model (a dense first layer, then expert layers): two stacks, `dense`
+    [1, ...] and `moe` [2, ...], run by two scans; the same logits and K/V as unrolled,
+    block-causal and cached with a key bound; the layout functions exact both ways."""
+    cfg = preset("tiny-llada2-test")
+    assert cfg.layer_stacks() == (("dense", 0, 1), ("moe", 1, 3))
+    unrolled, scanned = pair(cfg)
+    assert layer_layout(numpy_params(scanned)) == "stacked"
+    assert scanned.layers.dense.mlp.gate_proj.kernel.shape == (1, cfg.d_model, cfg.mlp_hidden)
+    assert scanned.layers.moe.mlp.experts.gate_proj.shape == (
+        2, cfg.n_experts, cfg.d_model, cfg.moe_hidden)
+    assert scanned.layers.moe.mlp.gate.expert_bias.shape == (2, cfg.n_experts)
+    rng = np.random.default_rng(1)
+    b, T = 2, 24
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, T)), jnp.int32)
+    key_mask = jnp.asarray(np.arange(T)[None] >= np.array([[0], [3]]))
+    q_cols = jnp.asarray(np.sort(rng.permutation(T - 4)[:5])[None].repeat(b, 0), jnp.int32)
+    block_ids = jnp.asarray(np.arange(T)[None].repeat(b, 0) // 8)
+    got = _forwards(scanned, tokens, key_mask, block_ids, q_cols)
+    want = _forwards(unrolled, tokens, key_mask, block_ids, q_cols)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=TOL)
+    # The last layer on the read rows only (logits_index) is the moe stack's last.
+    cols = jnp.asarray([[1, 7], [0, 20]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(scanned(tokens, logits_index=cols)),
+                               np.asarray(unrolled(tokens, logits_index=cols)),
+                               rtol=0, atol=TOL)
+
+    stacks = cfg.layer_stacks()
+    stacked = stack_layer_params(numpy_params(unrolled), 3, stacks)
+    assert_trees_equal(stacked, numpy_params(scanned))
+    back = unstack_layer_params(numpy_params(scanned), 3, stacks, str_keys=True)
+    assert_trees_equal(back, numpy_params(unrolled))
+    with pytest.raises(ValueError, match="layer 1 has other parameters than layer 0"):
+        stack_layer_params(numpy_params(unrolled), 3)  # one stack: the layers differ
+    with pytest.raises(ValueError, match="layers.dense.attn.k_norm.scale: shape .1, 8., "
+                                         "expected a leading axis of 3 layers"):
+        unstack_layer_params(numpy_params(scanned), 3)  # read as one stack
+    with pytest.raises(ValueError, match=r"hold \['dense', 'moe'\], expected the stacks"):
+        unstack_layer_params(numpy_params(scanned), 3, (("a", 0, 1), ("b", 1, 3)))
+    with pytest.raises(ValueError, match="do not split layers 0..2"):
+        stack_layer_params(numpy_params(unrolled), 3, (("dense", 0, 1), ("moe", 2, 3)))
 
 
 def test_layout_functions_exact_and_checked():
@@ -161,11 +205,13 @@ def test_converter_writes_the_stacked_layout(tmp_path):
 
 
 # Tokens, unrolled vs scanned, for the samplers whose calls differ most (full forwards
-# only, dual cache with key bounds, block-causal cache, routers); every sampler is
+# only, dual cache with key bounds, block-causal cache, routers; LLaDA2's two stacks
+# under its own sampler and under the dual cache on its blocks); every sampler is
 # compared sharded in tests/multidevice/test_scan_layers_sharded.py.
 SAMPLERS = [("tiny-llada", "vanilla", {}), ("tiny-llada", "fast-dllm", {"cache": "dual"}),
             ("tiny-llada", "asynclane", {}), ("tiny-dream", "asynclane", {}),
-            ("tiny-llada", "eb", {})]
+            ("tiny-llada", "eb", {}), ("tiny-llada2-v4b", "llada2", {}),
+            ("tiny-llada2-v4b", "fast-dllm", {"cache": "dual"})]
 
 
 @functools.cache

@@ -117,6 +117,47 @@ def test_sharded_tokens_equal_single_device(sampler, options):
         assert res.stats.nfe == base.stats.nfe, mesh
 
 
+def test_scanned_layers_sharded_equal_unrolled_single_device():
+    """The scanned layout (two stacks: the dense first layer, the expert layers) on
+    data=2,tensor=4: the stacked expert kernels [L, E, ...] split on their expert axis,
+    no expert kernel gathered, the logits and the llada2 sampler's tokens those of the
+    unrolled model on one device."""
+    model, cfg = tiny()
+    scanned = init_model(cfg.replace(scan_layers=True), seed=3)
+    scanned.lm_head.kernel[...] = scanned.lm_head.kernel[...] * 30.0
+    plan = sharding.plan_for(cfg, "data=2,tensor=4")
+    placed = sharding.shard_model(scanned, plan)
+    params = nnx.state(placed, nnx.Param)
+    assert params["layers"]["moe"]["mlp"]["experts"]["up_proj"][...].sharding.spec == \
+        P(None, "tensor", None, None)
+    assert params["layers"]["dense"]["mlp"]["down_proj"]["kernel"][...].sharding.spec == \
+        P(None, "tensor", None)
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size - 3, (4, 24)).astype(np.int32)
+    blocks = np.repeat(np.arange(3), 8)[None].repeat(4, 0).astype(np.int32)
+    graphdef, state = nnx.split(model)
+    base = jax.jit(lambda s, t, b: nnx.merge(graphdef, s)(t, block_ids=b))(
+        state, tokens, blocks)
+    graphdef, state = nnx.split(placed)
+
+    def forward(s, t, b):
+        with sharding.use(plan):
+            return nnx.merge(graphdef, s)(t, block_ids=b)
+
+    fn = jax.jit(forward)
+    args = (state, sharding.place(tokens, plan, sharding.TOKENS),
+            sharding.place(blocks, plan, sharding.TOKENS))
+    np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(base), atol=2e-5, rtol=1e-5)
+    assert_no_expert_kernel_gathered(fn.lower(*args).compile().as_text(), cfg)
+
+    ids = [[int(t) for t in rng.integers(0, cfg.vocab_size - 3, n)] for n in (5, 9, 3)]
+    want = generate(model, ids, sampler="llada2", gen_length=32)
+    got = generate(placed, ids, sampler="llada2", gen_length=32, mesh=plan)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert got.stats.nfe == want.stats.nfe
+
+
 def test_logical_names():
     from jax.tree_util import DictKey as K
 
