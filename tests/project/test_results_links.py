@@ -6,7 +6,8 @@
   Brace lists (`bench_x.{md,json}`) are expanded; `*`, `<placeholder>` and upper-case
   placeholders (`MODEL`, `NAME`) must match at least one file.
 - Every file under experiments/results/ but archive/ is listed, by its path inside
-  experiments/results/, in the index experiments/results/README.md.
+  experiments/results/, in the index experiments/results/README.md, and each folder's
+  heading there counts its files.
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ def test_every_results_file_but_the_archive_is_in_the_index():
             missing.append(rel)
     assert not missing, ("files in experiments/results/ not listed in its README.md:\n"
                          + "\n".join(missing))
+
+
+def test_each_folder_heading_counts_its_files():
+    """Each `### folder/: ... (N files)` heading of the index says how many files the
+    folder holds (archive/ too)."""
+    heading = re.compile(r"^### ([A-Za-z0-9_-]+)/: .*\((\d+) files?\)\s*$", re.M)
+    found = heading.findall(INDEX.read_text(encoding="utf-8"))
+    assert len(found) >= 5
+    wrong = [f"{name}/: the heading says {n}, the folder holds {held}"
+             for name, n in found
+             if (held := sum(p.is_file() for p in (RESULTS / name).rglob("*"))) != int(n)]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("path, ok", [
