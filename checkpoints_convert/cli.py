@@ -8,10 +8,10 @@ import sys
 from asynclane_jax.errors import USER_ERRORS
 from checkpoints_convert.convert import OUTPUT_DTYPES, sigterm_as_interrupt
 
-DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint (optionally with a "
-               "PEFT LoRA adapter merged in), or a LLaDA2 mixture-of-experts one "
-               "(llada2_moe: its experts stacked per layer; no LoRA or stacked "
-               "layers yet), into an asynclane-jax folder: streaming, atomic, verified.")
+DESCRIPTION = ("Convert a Hugging Face PyTorch LLaDA / Dream checkpoint, or a LLaDA2 "
+               "mixture-of-experts one (llada2_moe: its experts stacked per layer), "
+               "optionally with a PEFT LoRA adapter merged in, into an asynclane-jax "
+               "folder: streaming, atomic, verified.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
