@@ -201,6 +201,7 @@ class _Pool:
         self.abstract: dict[int, object] = {}  # slots -> the state's shapes and placement
         self.placers: dict[int, Callable] = {}
         self.movers: dict[tuple[int, int], Callable] = {}  # (from, to) slots -> move
+        self.blanks: dict[int, jax.Array] = {}  # slots -> an all-mask canvas (`_blank`)
         self.compile_time = 0.0
         self.last_used = time.monotonic()
 
@@ -301,7 +302,9 @@ class _Pool:
             return None
         if b is not None:
             return {n: jax.ShapeDtypeStruct((b,), jnp.float32) for n in self.defaults}
-        return {n: jnp.asarray(v) for n, v in self.traced.items()}
+        # Host arrays (copies: the slots' values change in place at admission): the
+        # compiled program takes them in more cheaply than a jnp.asarray each.
+        return {n: v.copy() for n, v in self.traced.items()}
 
     # -- state ---------------------------------------------------------------------------
     def resize(self, b: int) -> None:
@@ -337,12 +340,16 @@ class _Pool:
                            for n, v in self.traced.items()}
         self.size = b
 
-    def run_chunk(self, admit_n: int) -> None:
+    def run_chunk(self, admit_n: int, iterations: int | None = None) -> None:
+        """Runs one chunk: retires cancelled rows, admits up to admit_n waiting requests
+        into free slots, then up to `iterations` loop iterations (default the engine's
+        chunk), ending early at a completed answer; hands the emitter what each row
+        gained and frees the rows that are done."""
         eng, cfg, b = self.engine, self.engine.cfg, self.size
         _, fn = self.program(b)
         admit = np.zeros(b, bool)
         retire = np.zeros(b, bool)
-        canvas_in = np.full((b, self.T), cfg.mask_token_id, np.int32)
+        canvas_in = None  # built only when a request is admitted
         for i, req in enumerate(self.rows):
             if req is not None and req.cancelled:
                 retire[i] = True
@@ -354,6 +361,8 @@ class _Pool:
                 if req.cancelled:
                     eng._finish(req, "cancelled")
                     continue
+                if canvas_in is None:
+                    canvas_in = np.full((b, self.T), cfg.mask_token_id, np.int32)
                 canvas, pad, _ = build_canvas([req.prompt], self.G, cfg, self.P)
                 canvas_in[i], self.pad_len[i] = canvas[0], pad[0]
                 self.limit[i] = req.max_tokens
@@ -365,10 +374,14 @@ class _Pool:
         self.last_used = time.monotonic()
         if not any(r is not None for r in self.rows) and not retire.any():
             return  # nothing to run
-        self.state = fn(eng.params, self.state, jnp.asarray(self.pad_len),
-                        jnp.asarray(admit), jnp.asarray(canvas_in), jnp.asarray(retire),
-                        jnp.asarray(eng.chunk, jnp.int32), self.operands,
-                        self._traced_args(), jnp.asarray(self.limit))
+        if canvas_in is None:  # nothing admitted: the program does not read it
+            canvas_in = self._blank(b)
+        steps = eng.chunk if iterations is None else max(1, min(int(iterations), eng.chunk))
+        # Host (numpy) arguments go to the compiled program as they are: it copies them
+        # in more cheaply than a jnp.asarray each would on the engine's thread.
+        self.state = fn(eng.params, self.state, self.pad_len.copy(), admit, canvas_in,
+                        retire, np.int32(steps), self.operands, self._traced_args(),
+                        self.limit.copy())
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
@@ -378,6 +391,13 @@ class _Pool:
                 self.rows[i] = None
                 if not finished[i]:  # done by max_tokens: retire the row next chunk
                     self.rows[i] = _RETIRED
+
+    def _blank(self, b: int):
+        """An all-mask canvas of b rows on the devices (the chunk program's canvas_in
+        when it admits nothing), made once per slot count."""
+        if b not in self.blanks:
+            self.blanks[b] = jnp.full((b, self.T), self.engine.cfg.mask_token_id, jnp.int32)
+        return self.blanks[b]
 
     def fail(self, message: str) -> None:
         """Fails every request of the pool and releases its state."""
@@ -529,6 +549,7 @@ class Engine:
                 raise EngineError(f"kv_budget {e}") from None
             self.budget_source = "given"
         self.stop_ids = set(self.cfg.stop_token_ids)
+        self._stop_array = np.array(sorted(self.stop_ids), np.int32)
         self.pools: dict[tuple, _Pool] = {}
         self._layouts: dict[tuple, tuple] = {}
         self._layout_lock = threading.Lock()
@@ -858,13 +879,12 @@ class Engine:
     def _advance(self, req: _Request, gen: np.ndarray, finished: bool) -> bool:
         """Hands the emitter what a request's contiguous committed prefix gained; whether
         it is done."""
-        mask = self.cfg.mask_token_id
-        masked = np.flatnonzero(gen == mask)
+        masked = np.flatnonzero(gen == self.cfg.mask_token_id)
         ready = int(masked[0]) if len(masked) else len(gen)
-        stops = [j for j in range(ready) if int(gen[j]) in self.stop_ids]
-        end = min(ready, stops[0] if stops else ready, req.max_tokens)
+        stops = np.flatnonzero(np.isin(gen[:ready], self._stop_array))
+        end = min(ready, int(stops[0]) if len(stops) else ready, req.max_tokens)
         reason = None
-        if stops and stops[0] < req.max_tokens:
+        if len(stops) and int(stops[0]) < req.max_tokens:
             reason = "stop"
         elif end >= req.max_tokens:
             reason = "length"
@@ -872,7 +892,7 @@ class Engine:
             reason = "error"
         if reason is None and end <= req.sent:
             return False
-        tokens = [int(t) for t in gen[:end]]
+        tokens = gen[:end].tolist()
         start, req.sent = req.sent, end
         self.tokens_sent += end - start
         if reason is not None:
