@@ -11,11 +11,11 @@ after the rest of the chunk. For a moment after a chunk that freed rows while ot
 decode on and nobody waits (`admission_window`), chunks are one iteration long: the
 answered clients' next requests, which often come at once, are admitted at the next
 iteration while the rows in flight keep decoding, instead of waiting for a whole chunk
-(or holding the device idle for them). Between chunks the engine's thread reads the canvas back
-and frees the rows that are done; a second host thread (the emitter) detokenizes and
-hands each request the text its contiguous committed prefix gained (a diffusion LM
-commits out of order: a token is sent only when every token before it is committed, and
-never again), while the engine's thread runs the next chunk.
+(or holding the device idle for them). Between chunks the engine's thread reads the
+canvas back and frees the rows that are done; a second host thread (the emitter)
+detokenizes and hands each request the text its contiguous committed prefix gained (a
+diffusion LM commits out of order: a token is sent only when every token before it is
+committed, and never again), while the engine's thread runs the next chunk.
 
 Per-request options. A sampler's traced options (`Schedule.traced_options`: thresholds)
 change no shape of its program: each row's values are per-row arguments of the pool's
