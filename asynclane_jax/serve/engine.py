@@ -7,11 +7,15 @@ rows are carried on the device between calls of one compiled program,
 iterations, ending early at the iteration in which a row's answer became complete (the
 row finished, or its committed prefix reached a stop token or the request's
 max_tokens), so a finished request is sent, and its slot refilled, at once rather than
-after the rest of the chunk. Between chunks the engine's thread reads the canvas back
-and frees the rows that are done; a second host thread (the emitter) detokenizes and
-hands each request the text its contiguous committed prefix gained (a diffusion LM
-commits out of order: a token is sent only when every token before it is committed, and
-never again), while the engine's thread runs the next chunk.
+after the rest of the chunk. For a moment after a chunk that freed rows while others
+decode on and nobody waits (`admission_window`), chunks are one iteration long: the
+answered clients' next requests, which often come at once, are admitted at the next
+iteration while the rows in flight keep decoding, instead of waiting for a whole chunk
+(or holding the device idle for them). Between chunks the engine's thread reads the
+canvas back and frees the rows that are done; a second host thread (the emitter)
+detokenizes and hands each request the text its contiguous committed prefix gained (a
+diffusion LM commits out of order: a token is sent only when every token before it is
+committed, and never again), while the engine's thread runs the next chunk.
 
 Per-request options. A sampler's traced options (`Schedule.traced_options`: thresholds)
 change no shape of its program: each row's values are per-row arguments of the pool's
@@ -67,8 +71,9 @@ from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.serve import budget as budget_lib
 
-# The longest an admission grace (Engine.admission_grace) holds the next chunk (seconds).
-MAX_GRACE_S = 0.05
+# How long after a chunk that freed rows the engine expects the answered clients' next
+# requests, running one-iteration chunks meanwhile (Engine.admission_window; seconds).
+ADMISSION_WINDOW_S = 0.05
 # Structural configurations an operator may allow, at most (the server's own included):
 # each is a pool, and its programs, of its own.
 MAX_CONFIGS = 8
@@ -201,6 +206,7 @@ class _Pool:
         self.abstract: dict[int, object] = {}  # slots -> the state's shapes and placement
         self.placers: dict[int, Callable] = {}
         self.movers: dict[tuple[int, int], Callable] = {}  # (from, to) slots -> move
+        self.blanks: dict[int, jax.Array] = {}  # slots -> an all-mask canvas (`_blank`)
         self.compile_time = 0.0
         self.last_used = time.monotonic()
 
@@ -301,7 +307,9 @@ class _Pool:
             return None
         if b is not None:
             return {n: jax.ShapeDtypeStruct((b,), jnp.float32) for n in self.defaults}
-        return {n: jnp.asarray(v) for n, v in self.traced.items()}
+        # Host arrays (copies: the slots' values change in place at admission): the
+        # compiled program takes them in more cheaply than a jnp.asarray each.
+        return {n: v.copy() for n, v in self.traced.items()}
 
     # -- state ---------------------------------------------------------------------------
     def resize(self, b: int) -> None:
@@ -337,12 +345,16 @@ class _Pool:
                            for n, v in self.traced.items()}
         self.size = b
 
-    def run_chunk(self, admit_n: int) -> None:
+    def run_chunk(self, admit_n: int, iterations: int | None = None) -> None:
+        """Runs one chunk: retires cancelled rows, admits up to admit_n waiting requests
+        into free slots, then up to `iterations` loop iterations (default the engine's
+        chunk), ending early at a completed answer; hands the emitter what each row
+        gained and frees the rows that are done."""
         eng, cfg, b = self.engine, self.engine.cfg, self.size
         _, fn = self.program(b)
         admit = np.zeros(b, bool)
         retire = np.zeros(b, bool)
-        canvas_in = np.full((b, self.T), cfg.mask_token_id, np.int32)
+        canvas_in = None  # built only when a request is admitted
         for i, req in enumerate(self.rows):
             if req is not None and req.cancelled:
                 retire[i] = True
@@ -354,6 +366,8 @@ class _Pool:
                 if req.cancelled:
                     eng._finish(req, "cancelled")
                     continue
+                if canvas_in is None:
+                    canvas_in = np.full((b, self.T), cfg.mask_token_id, np.int32)
                 canvas, pad, _ = build_canvas([req.prompt], self.G, cfg, self.P)
                 canvas_in[i], self.pad_len[i] = canvas[0], pad[0]
                 self.limit[i] = req.max_tokens
@@ -365,10 +379,14 @@ class _Pool:
         self.last_used = time.monotonic()
         if not any(r is not None for r in self.rows) and not retire.any():
             return  # nothing to run
-        self.state = fn(eng.params, self.state, jnp.asarray(self.pad_len),
-                        jnp.asarray(admit), jnp.asarray(canvas_in), jnp.asarray(retire),
-                        jnp.asarray(eng.chunk, jnp.int32), self.operands,
-                        self._traced_args(), jnp.asarray(self.limit))
+        if canvas_in is None:  # nothing admitted: the program does not read it
+            canvas_in = self._blank(b)
+        steps = eng.chunk if iterations is None else max(1, min(int(iterations), eng.chunk))
+        # Host (numpy) arguments go to the compiled program as they are: it copies them
+        # in more cheaply than a jnp.asarray each would on the engine's thread.
+        self.state = fn(eng.params, self.state, self.pad_len.copy(), admit, canvas_in,
+                        retire, np.int32(steps), self.operands, self._traced_args(),
+                        self.limit.copy())
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
@@ -378,6 +396,13 @@ class _Pool:
                 self.rows[i] = None
                 if not finished[i]:  # done by max_tokens: retire the row next chunk
                     self.rows[i] = _RETIRED
+
+    def _blank(self, b: int):
+        """An all-mask canvas of b rows on the devices (the chunk program's canvas_in
+        when it admits nothing), made once per slot count."""
+        if b not in self.blanks:
+            self.blanks[b] = jnp.full((b, self.T), self.engine.cfg.mask_token_id, jnp.int32)
+        return self.blanks[b]
 
     def fail(self, message: str) -> None:
         """Fails every request of the pool and releases its state."""
@@ -475,9 +500,12 @@ class Engine:
         are dropped, least recently used first.
       precompile: at start, compile the default pools at every slot count ("all"), at
         the largest only ("largest"), or none ("none": on first use).
-      admission_grace: after a chunk that finished requests while other rows decode on
-        and nobody waits, hold the next chunk up to this fraction of the last round's
-        time (at most MAX_GRACE_S) for new requests to fill the freed rows (0: never).
+      admission_window: after a chunk that finished requests while other rows decode on
+        and nobody waits, for up to this many seconds (or until as many new requests
+        arrived) the pool's chunks are one iteration long, so a request that arrives
+        meanwhile is admitted at the next iteration instead of after a whole chunk,
+        while the rows in flight keep decoding (0: never; chunks only ever end early,
+        so no token changes).
     """
 
     def __init__(self, model, tokenizer, *, model_name: str, sampler: str = DEFAULT_SAMPLER,
@@ -487,7 +515,7 @@ class Engine:
                  prompt_lengths: Sequence[int] | None = None, seed: int = 0,
                  compile_cache: str | None = None, kv_budget: int | str | None = None,
                  max_pools: int = 32, precompile: str = "all",
-                 admission_grace: float = 0.25,
+                 admission_window: float = ADMISSION_WINDOW_S,
                  allow_options: Sequence[dict] | None = None):
         if compile_cache:
             from asynclane_jax import compile_cache as cc
@@ -515,7 +543,9 @@ class Engine:
         self.slots, self.chunk, self.queue_size, self.seed = slots, chunk, queue_size, seed
         self.slot_buckets = budget_lib.slot_buckets(int(slots))
         self.max_pools, self.precompile = int(max_pools), precompile
-        self.admission_grace = float(admission_grace)
+        self.admission_window = float(admission_window)
+        self._expected = 0  # requests expected in the open admission window
+        self._window_end = 0.0
         self.max_prompt, self.prompt_lengths = prompt_buckets(
             self.cfg, self.gen_lengths, max_prompt, prompt_lengths)
         self.graphdef, self.params = nnx.split(model)
@@ -529,6 +559,7 @@ class Engine:
                 raise EngineError(f"kv_budget {e}") from None
             self.budget_source = "given"
         self.stop_ids = set(self.cfg.stop_token_ids)
+        self._stop_array = np.array(sorted(self.stop_ids), np.int32)
         self.pools: dict[tuple, _Pool] = {}
         self._layouts: dict[tuple, tuple] = {}
         self._layout_lock = threading.Lock()
@@ -798,35 +829,41 @@ class Engine:
                 if not self._running:
                     return
                 inbox, self._inbox = self._inbox, []
+            self._expected = max(0, self._expected - len(inbox))
             for req in inbox:
                 try:
                     self._pool(req.pool_key).waiting.append(req)
                 except Exception as e:  # a pool that cannot be built fails its requests only
                     self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-            t0, done = time.perf_counter(), self.requests_done
+            done = self.requests_done
             ran = self._round()
             if not ran:  # requests wait for memory, or all were cancelled: do not spin
                 with self._lock:
                     self._lock.wait(timeout=0.01)
-            elif self.requests_done > done and self.admission_grace > 0:
-                self._grace(self.requests_done - done,
-                            self.admission_grace * (time.perf_counter() - t0))
+            elif self.requests_done > done and self.admission_window > 0:
+                # The clients just answered often send their next request at once:
+                # until as many arrive (or the window passes), chunks are one iteration
+                # long, so each is admitted at the next iteration, not a chunk later.
+                self._expected = min(self._expected + self.requests_done - done,
+                                     self.slots * len(self.pools))
+                self._window_end = time.monotonic() + self.admission_window
 
-    def _grace(self, freed: int, seconds: float) -> None:
-        """After a round that freed rows while others decode on and nobody waits: waits
-        up to `seconds` (at most MAX_GRACE_S) for as many new requests, so that the
-        clients just answered, who often send their next request at once, fill the rows
-        at the next chunk instead of one chunk later."""
-        pools = list(self.pools.values())
-        if not any(p.live for p in pools) or any(p.waiting for p in pools):
-            return
-        deadline = time.monotonic() + min(seconds, MAX_GRACE_S)
-        with self._lock:
-            while self._running and len(self._inbox) < freed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._lock.wait(left)
+    def _window_open(self) -> bool:
+        """Whether requests are expected in an open admission window (closes it once
+        its time has passed)."""
+        if self._expected <= 0:
+            return False
+        if time.monotonic() >= self._window_end:
+            self._expected = 0
+            return False
+        return True
+
+    def _short(self, pool: _Pool, admit: int) -> bool:
+        """Whether a pool's next chunk is one iteration long: an admission window is
+        open (`admission_window`) and the pool will have a free slot and nobody waiting
+        once it admits `admit` requests."""
+        return (self._window_open() and len(pool.waiting) <= admit
+                and pool.live + len(pool.waiting) < pool.size)
 
     def _round(self) -> bool:
         """One chunk of every pool with rows or admissions, at the sizes `plan` gives;
@@ -838,6 +875,14 @@ class Engine:
                 self._finish(req, "cancelled")
         decisions = budget_lib.plan([p.view() for p in pools], self.slot_buckets,
                                     self.kv_budget)
+        if self._window_open() and not any(p.waiting for p in pools):
+            # Requests are expected and no pool waits for memory: a pool with rows in
+            # flight keeps its slot count (bytes it holds already), so the expected
+            # requests find free slots rather than the rows moving down and back up.
+            for p in pools:
+                d = decisions[p.key]
+                if p.live and d.size < p.size:
+                    decisions[p.key] = budget_lib.Decision(size=p.size, admit=d.admit)
         ran = False
         # Shrinks and releases first, so that the bytes are free before others grow.
         order = sorted(pools, key=lambda p: decisions[p.key].size - p.size)
@@ -848,7 +893,7 @@ class Engine:
             try:
                 p.resize(d.size)
                 if p.size and (p.live or d.admit):
-                    p.run_chunk(d.admit)
+                    p.run_chunk(d.admit, 1 if self._short(p, d.admit) else None)
                     ran = True
             except Exception as e:  # fail this pool's requests, keep serving
                 p.fail(f"{type(e).__name__}: {e}")
@@ -858,13 +903,12 @@ class Engine:
     def _advance(self, req: _Request, gen: np.ndarray, finished: bool) -> bool:
         """Hands the emitter what a request's contiguous committed prefix gained; whether
         it is done."""
-        mask = self.cfg.mask_token_id
-        masked = np.flatnonzero(gen == mask)
+        masked = np.flatnonzero(gen == self.cfg.mask_token_id)
         ready = int(masked[0]) if len(masked) else len(gen)
-        stops = [j for j in range(ready) if int(gen[j]) in self.stop_ids]
-        end = min(ready, stops[0] if stops else ready, req.max_tokens)
+        stops = np.flatnonzero(np.isin(gen[:ready], self._stop_array))
+        end = min(ready, int(stops[0]) if len(stops) else ready, req.max_tokens)
         reason = None
-        if stops and stops[0] < req.max_tokens:
+        if len(stops) and int(stops[0]) < req.max_tokens:
             reason = "stop"
         elif end >= req.max_tokens:
             reason = "length"
@@ -872,7 +916,7 @@ class Engine:
             reason = "error"
         if reason is None and end <= req.sent:
             return False
-        tokens = [int(t) for t in gen[:end]]
+        tokens = gen[:end].tolist()
         start, req.sent = req.sent, end
         self.tokens_sent += end - start
         if reason is not None:

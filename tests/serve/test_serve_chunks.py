@@ -7,6 +7,8 @@ gets `generate`'s tokens."""
 from __future__ import annotations
 
 import threading
+import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ import pytest
 import asynclane_jax as aj
 from asynclane_jax.decoding import generate
 from asynclane_jax.decoding.api import build_canvas
-from asynclane_jax.serve.engine import Engine
+from asynclane_jax.serve.engine import Engine, _Pool
 from asynclane_jax.testbed import evaluate as ev
 from asynclane_jax.testbed import tasks
 
@@ -34,7 +36,7 @@ def setup():
     # Two slots, one prompt bucket and a chunk bound no decode reaches: only an answer
     # ends a chunk. Both tests run its programs (each compiled on first use, once).
     eng = Engine(model, tok, model_name="tiny-llada", slots=2, gen_lengths=(G,),
-                 chunk=BOUND, max_prompt=32, precompile="none", admission_grace=0)
+                 chunk=BOUND, max_prompt=32, precompile="none", admission_window=0)
     return model, tok, prompts, want, eng
 
 
@@ -118,3 +120,88 @@ def test_a_waiting_request_is_admitted_while_a_long_row_decodes(setup):
                          ("waiting", want[2], SHORT)):
         cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
         assert got[name] == row[:min(cut, m)].tolist()
+
+
+def test_the_admission_window_runs_one_iteration_chunks_only_while_a_slot_is_free():
+    # Engine._short on stand-ins (no model): a window is open while requests are
+    # expected and its time has not passed; the chunk is short only if, once the
+    # waiting requests are admitted, a slot is still free for the expected ones.
+    now = time.monotonic()
+    eng = types.SimpleNamespace(_expected=1, _window_end=now + 60)
+    eng._window_open = types.MethodType(Engine._window_open, eng)
+    pool = types.SimpleNamespace(waiting=[], live=1, size=2)
+    assert Engine._short(eng, pool, 0)
+    pool.waiting = ["a"]  # admitted now, and then no slot is free: a whole chunk
+    assert not Engine._short(eng, pool, 1)
+    pool.waiting = ["a", "b"]  # one admitted, one left waiting: a whole chunk
+    pool.live, pool.size = 0, 4
+    assert not Engine._short(eng, pool, 1)
+    pool.waiting, pool.live = [], 1
+    eng._expected = 0  # nobody expected: a whole chunk
+    assert not Engine._short(eng, pool, 0)
+    eng._expected, eng._window_end = 2, now - 1  # the window passed: closed for good
+    assert not Engine._short(eng, pool, 0)
+    assert eng._expected == 0
+
+
+def test_a_request_sent_when_an_answer_ends_is_admitted_at_the_next_iteration(
+        setup, monkeypatch):
+    model, tok, prompts, want, eng = setup
+    chunks = []  # (iterations asked, loop iterations run, requests admitted)
+    run_chunk = _Pool.run_chunk
+
+    def spy(self, admit_n, iterations=None):
+        waiting, step = len(self.waiting), int(self.state.step)
+        run_chunk(self, admit_n, iterations)
+        chunks.append((iterations, int(self.state.step) - step,
+                       waiting - len(self.waiting)))
+
+    monkeypatch.setattr(_Pool, "run_chunk", spy)
+    monkeypatch.setattr(eng, "admission_window", 300.0)  # open until "next" comes
+    got, ends = {}, {}
+
+    def collect(name, then=None):
+        tokens = got.setdefault(name, [])
+        ends[name] = threading.Event()
+
+        def on_update(u):
+            tokens.extend(u.token_ids)
+            if u.finished:
+                ends[name].set()
+                if then is not None:  # a client that sends its next request at once
+                    then()
+        return on_update
+
+    def send_next():
+        # The client's next request, once a chunk after short's answer has run (so
+        # that it finds the window open, not the round that freed the slot).
+        deadline = time.monotonic() + 300
+        while len(chunks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        eng.submit(prompts[2], max_tokens=SHORT, on_update=collect("next"))
+
+    eng.start()
+    try:
+        with eng._lock:  # the two arrive together
+            eng.submit(prompts[0], max_tokens=G, on_update=collect("long"))
+            eng.submit(prompts[1], max_tokens=SHORT, on_update=collect("short", send_next))
+        assert ends["short"].wait(300)
+        assert ends["long"].wait(300) and ends["next"].wait(300)
+    finally:
+        eng.shutdown()
+    stop = set(model.cfg.stop_token_ids)
+    for name, row, m in (("long", want[0], G), ("short", want[1], SHORT),
+                         ("next", want[2], SHORT)):
+        cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
+        assert got[name] == row[:min(cut, m)].tolist()
+    # The first chunk (both admitted) runs to short's answer; until "next" is admitted,
+    # each chunk is one iteration of the long row (the pool keeps its two slots while
+    # a request is expected, one of them free); the chunk that admits it runs to the
+    # next answer again.
+    assert chunks[0][0] is None and chunks[0][2] == 2
+    k = next(i for i in range(1, len(chunks)) if chunks[i][2])  # admits "next"
+    assert k > 1 and all(c[:2] == (1, 1) for c in chunks[1:k])
+    assert chunks[k][0] is None
+    # Its answer opens the window again (its client may send another): one-iteration
+    # chunks of the long row to its end.
+    assert all(c[0] == 1 and c[1] <= 1 for c in chunks[k + 1:])
