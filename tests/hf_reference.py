@@ -308,3 +308,16 @@ def convert_cli(capsys, *argv):
     rc = main(["convert", *map(str, argv), "--no-progress"])
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def assert_trees_equal(a, b):
+    """Two parameter trees (nested dicts of arrays, as `checkpoint.params_to_numpy`
+    gives) hold the same names, and under each the same dtype, shape and values."""
+    from asynclane_jax import checkpoint
+
+    fa, fb = checkpoint.flat_arrays(a), checkpoint.flat_arrays(b)
+    assert sorted(fa) == sorted(fb)
+    for k in fa:
+        x, y = np.asarray(fa[k]), np.asarray(fb[k])
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        assert np.array_equal(x, y), k

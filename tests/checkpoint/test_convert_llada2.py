@@ -165,27 +165,19 @@ def test_scan_layers_stacks_dense_and_expert_layers(tmp_path, capsys):
         tensors["model.layers.2.mlp.experts.5.down_proj.weight"].numpy().T)
 
     def params(folder, **kw):
-        return checkpoint.flat_arrays(checkpoint.params_to_numpy(
-            checkpoint.load_model(tmp_path / folder, **kw)))
+        return checkpoint.params_to_numpy(checkpoint.load_model(tmp_path / folder, **kw))
 
-    def stacked(flat):
-        tree = checkpoint.params_to_numpy(flat)
-        return checkpoint.flat_arrays(stack_layer_params(tree, 3, cfg.layer_stacks()))
-
-    def same(a, b):
-        assert sorted(a) == sorted(b)
-        for k in a:
-            assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
-
-    same(params("stacked", scan_layers=False), params("flat"))
+    H.assert_trees_equal(params("stacked", scan_layers=False), params("flat"))
     int8 = checkpoint.load_model(tmp_path / "flat", quantize="int8")
     assert np.asarray(int8.layers[2].mlp.experts.up_proj[...]).dtype == np.int8
-    same(params("flat", scan_layers=True, quantize="int8"), stacked(int8))
-    same(params("stacked", quantize="int8"), stacked(int8))
+    int8_stacked = stack_layer_params(checkpoint.params_to_numpy(int8), 3,
+                                      cfg.layer_stacks())
+    H.assert_trees_equal(params("flat", scan_layers=True, quantize="int8"), int8_stacked)
+    H.assert_trees_equal(params("stacked", quantize="int8"), int8_stacked)
     rc, _, err = run_cli(capsys, src, tmp_path / "stacked8", "--dtype", "float32",
                          "--scan-layers", "--quantize", "int8")
     assert rc == 0, err
-    same(params("stacked8"), stacked(int8))
+    H.assert_trees_equal(params("stacked8"), int8_stacked)
     assert leftovers(tmp_path) == []
 
 

@@ -38,15 +38,6 @@ def numpy_params(model):
     return checkpoint.params_to_numpy(model)
 
 
-def assert_trees_equal(a, b):
-    fa, fb = checkpoint.flat_arrays(a), checkpoint.flat_arrays(b)
-    assert sorted(fa) == sorted(fb)
-    for k in fa:
-        x, y = np.asarray(fa[k]), np.asarray(fb[k])
-        assert x.dtype == y.dtype and x.shape == y.shape, k
-        assert np.array_equal(x, y), k
-
-
 @nnx.jit
 def _forwards(model, tokens, key_mask, block_ids, q_cols):
     """A full forward (with its K/V), then a cached call of q_cols against that cache
@@ -116,9 +107,9 @@ def test_llada2_two_stacks_match_unrolled():
 
     stacks = cfg.layer_stacks()
     stacked = stack_layer_params(numpy_params(unrolled), 3, stacks)
-    assert_trees_equal(stacked, numpy_params(scanned))
+    H.assert_trees_equal(stacked, numpy_params(scanned))
     back = unstack_layer_params(numpy_params(scanned), 3, stacks, str_keys=True)
-    assert_trees_equal(back, numpy_params(unrolled))
+    H.assert_trees_equal(back, numpy_params(unrolled))
     with pytest.raises(ValueError, match="layer 1 has other parameters than layer 0"):
         stack_layer_params(numpy_params(unrolled), 3)  # one stack: the layers differ
     with pytest.raises(ValueError, match="layers.dense.attn.k_norm.scale: shape .1, 8., "
@@ -133,9 +124,9 @@ def test_llada2_two_stacks_match_unrolled():
 def test_layout_functions_exact_and_checked():
     unrolled, scanned = pair(tiny_dream().replace(n_layers=3))
     stacked = stack_layer_params(numpy_params(unrolled), 3)
-    assert_trees_equal(stacked, numpy_params(scanned))
+    H.assert_trees_equal(stacked, numpy_params(scanned))
     back = unstack_layer_params(numpy_params(scanned), 3, str_keys=True)
-    assert_trees_equal(back, numpy_params(unrolled))
+    H.assert_trees_equal(back, numpy_params(unrolled))
     with pytest.raises(ValueError, match="expected 0..3"):
         stack_layer_params(numpy_params(unrolled), 4)
     with pytest.raises(ValueError, match="leading axis of 4 layers"):
@@ -151,7 +142,7 @@ def test_checkpoint_layouts_round_trip_exactly(tmp_path):
     assert not cfg.scan_layers
     stacked_model = checkpoint.load_model("tiny-llada", scan_layers=True)
     assert stacked_model.cfg.scan_layers
-    assert_trees_equal(numpy_params(stacked_model),
+    H.assert_trees_equal(numpy_params(stacked_model),
                        stack_layer_params(numpy_params(shipped), cfg.n_layers))
     checkpoint.save(tmp_path / "stacked", stacked_model)
     data = json.loads((tmp_path / "stacked" / "config.json").read_text())
@@ -162,15 +153,15 @@ def test_checkpoint_layouts_round_trip_exactly(tmp_path):
     assert checkpoint.verify_folder(tmp_path / "stacked") == len(digests)
     unrolled = checkpoint.load_model(tmp_path / "stacked", scan_layers=False)
     assert not unrolled.cfg.scan_layers
-    assert_trees_equal(numpy_params(unrolled), numpy_params(shipped))
+    H.assert_trees_equal(numpy_params(unrolled), numpy_params(shipped))
     checkpoint.save(tmp_path / "unrolled", unrolled)
     assert checkpoint.read_digests(tmp_path / "unrolled") == checkpoint.read_digests(
         checkpoint.resolve("tiny-llada"))
     again = checkpoint.load_model(tmp_path / "unrolled", scan_layers=True)
-    assert_trees_equal(numpy_params(again), numpy_params(stacked_model))
+    H.assert_trees_equal(numpy_params(again), numpy_params(stacked_model))
     as_stored = checkpoint.load_model(tmp_path / "stacked")  # the folder's own layout
     assert as_stored.cfg.scan_layers
-    assert_trees_equal(numpy_params(as_stored), numpy_params(stacked_model))
+    H.assert_trees_equal(numpy_params(as_stored), numpy_params(stacked_model))
 
 
 def test_corrupt_stacked_folder_named_on_relayout(tmp_path):
@@ -197,9 +188,9 @@ def test_converter_writes_the_stacked_layout(tmp_path):
     flat = checkpoint.load_model(tmp_path / "flat")
     stacked = checkpoint.load_model(tmp_path / "stacked")
     assert stacked.cfg.scan_layers
-    assert_trees_equal(numpy_params(stacked),
+    H.assert_trees_equal(numpy_params(stacked),
                        stack_layer_params(numpy_params(flat), flat_cfg.n_layers))
-    assert_trees_equal(numpy_params(checkpoint.load_model(tmp_path / "stacked",
+    H.assert_trees_equal(numpy_params(checkpoint.load_model(tmp_path / "stacked",
                                                           scan_layers=False)),
                        numpy_params(flat))
 
