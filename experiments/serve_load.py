@@ -3,8 +3,9 @@
 
 Starts `asynclane-jax serve` on a free port of 127.0.0.1 (a subprocess; the model, the
 sampler at its defaults, --slots, one generation bucket --max-tokens), waits for it to
-compile, then for each concurrency C in --clients runs C asyncio clients (httpx), each
-sending --requests chat completions one after another with stream=true. Per request it
+compile, then for each concurrency C in --clients runs C asyncio clients (aiohttp, or
+httpx with --client httpx), each sending --requests chat completions one after another
+with stream=true. Per request it
 records the time to the first content delta (TTFT), the time to `data: [DONE]` (the
 latency) and the completion tokens (the final chunk's usage). The baseline is this
 process calling `asynclane_jax.generate` on the same prompts one at a time at gen_length
@@ -23,17 +24,20 @@ machine).
 
 Usage: python experiments/serve_load.py [--model tiny-llada] [--slots 8]
        [--clients 1,8,16] [--requests 8] [--max-tokens 128] [--chunk 8] [--max-prompt 32]
-       [--repeats 3] [--note TEXT]
+       [--repeats 3] [--client aiohttp|httpx] [--note TEXT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import json
 import os
 import pathlib
 import platform
+import resource
 import shlex
 import signal
 import socket
@@ -46,6 +50,8 @@ import numpy as np
 RESULTS = pathlib.Path(__file__).parent / "results" / "serve"
 # Issue 44's targets on requests/s: (clients, the reference run, the least ratio).
 TARGETS = ((1, "sequential generate", 0.9), (8, "batched", 0.95), (16, "batched", 0.95))
+# The chips (and weights) each run's model calls are priced on (`project`).
+CHIPS = (("v5e", "int8"), ("v6e", "bf16"), ("h200", "bf16"))
 
 
 def free_port() -> int:
@@ -89,29 +95,33 @@ def baseline(loaded, texts: list[str], max_tokens: int,
 
     stop = set(cfg.stop_token_ids)
     asynclane_jax.generate(model, [ids(texts[0])], gen_length=max_tokens, tokenizer=tok)
-    records, answers = [], {}
-    t0 = time.perf_counter()
+    records, answers, calls = [], {}, collections.Counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     for text in texts:
         t = time.perf_counter()
         res = asynclane_jax.generate(model, [ids(text)], gen_length=max_tokens, tokenizer=tok)
         dt = time.perf_counter() - t
+        add_calls(calls, res.stats)
         row = [int(x) for x in res.tokens[0]]
         n = next((j for j, x in enumerate(row) if x in stop), len(row))
         answers[text] = res.text[0]
         records.append({"latency": dt, "ttft": dt, "tokens": n})
     rows = [summary("sequential generate", None, records, time.perf_counter() - t0)]
+    rows[-1]["load_cpu_ms_per_request"] = 1000 * (cpu_seconds() - cpu0) / len(records)
+    rows[-1]["calls"] = calls_list(calls)
     # The offline ceiling of a loop over `slots` rows: generate on batches of that many
     # (every request of a batch waits for the whole batch).
     batches = [texts[k:k + slots] for k in range(0, len(texts), slots)]
     asynclane_jax.generate(model, [ids(x) for x in batches[0]], gen_length=max_tokens,
                            tokenizer=tok)
-    records = []
-    t0 = time.perf_counter()
+    records, calls = [], collections.Counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     for batch in batches:
         t = time.perf_counter()
         res = asynclane_jax.generate(model, [ids(x) for x in batch], gen_length=max_tokens,
                                      tokenizer=tok)
         dt = time.perf_counter() - t
+        add_calls(calls, res.stats)
         for i, text in enumerate(batch):
             row = [int(x) for x in res.tokens[i]]
             n = next((j for j, x in enumerate(row) if x in stop), len(row))
@@ -119,46 +129,134 @@ def baseline(loaded, texts: list[str], max_tokens: int,
                             "match": res.text[i] == answers[text]})
     rows.append(summary(f"generate, batches of {slots}", None, records,
                         time.perf_counter() - t0))
+    rows[-1]["load_cpu_ms_per_request"] = 1000 * (cpu_seconds() - cpu0) / len(records)
+    rows[-1]["calls"] = calls_list(calls)
     return rows, answers
 
 
-async def one_request(client, text: str, max_tokens: int, model: str) -> dict:
+def add_calls(counter: collections.Counter, stats) -> None:
+    """Adds a `generate` call's model calls, by shape, to `counter`."""
+    for shape, n in zip(stats.call_shapes, stats.shape_calls):
+        if n:
+            counter[shape] += int(n)
+
+
+def calls_list(counter) -> list[dict]:
+    return [{**shape.to_dict(), "calls": n} for shape, n in counter.items() if n]
+
+
+def server_calls(url: str) -> collections.Counter:
+    """The server's model calls so far, by shape (its /health `model_calls`)."""
+    import httpx
+
+    from asynclane_jax.decoding.stats import CallShape
+
+    stats = httpx.get(url + "/health", timeout=10).json()
+    return collections.Counter({CallShape.from_dict(c): c["calls"]
+                                for c in stats["model_calls"]})
+
+
+def project(rows: list[dict], model: str) -> None:
+    """Fills each row's `projected` {chip: requests/s}: its model calls priced by the
+    cost model at the family's 8B preset on each of CHIPS (no host time: on a chip the
+    server's host work runs beside the device's)."""
+    from asynclane_jax.bench import project as proj
+    from asynclane_jax.costs import roofline
+    from asynclane_jax.decoding.stats import CallShape
+
+    name = proj.DEFAULT_PROJECT_MODELS[proj.family_of_name(model)]
+    cfg = proj.project_model_config(name, proj.family_of_name(model))
+    for row in rows:
+        counts = [(CallShape.from_dict(c), c["calls"]) for c in row["calls"]]
+        row["projected_model"] = name
+        row["projected"] = {
+            proj.label(chip, weights): row["requests"] / roofline.decode_time(
+                chip, cfg, counts, weights=weights) for chip, weights in CHIPS}
+
+
+def _chunk_line(line: str, state: dict, t0: float) -> bool:
+    """Reads one server-sent-event line into `state`; whether it was `[DONE]`."""
+    if not line.startswith("data: "):
+        return False
+    data = line[6:]
+    if data == "[DONE]":
+        return True
+    chunk = json.loads(data)
+    if "error" in chunk:
+        raise RuntimeError(chunk["error"]["message"])
+    piece = chunk["choices"][0]["delta"].get("content") or ""
+    if piece and state["ttft"] is None:
+        state["ttft"] = time.perf_counter() - t0
+    state["parts"].append(piece)
+    if chunk.get("usage"):
+        state["tokens"] = chunk["usage"]["completion_tokens"]
+    return False
+
+
+async def one_request(client, kind: str, url: str, text: str, max_tokens: int,
+                      model: str) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "stream": True}
     t0 = time.perf_counter()
-    ttft, parts, tokens = None, [], 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            piece = chunk["choices"][0]["delta"].get("content") or ""
-            if piece and ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(piece)
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return {"latency": time.perf_counter() - t0, "ttft": ttft, "tokens": tokens,
-            "text": "".join(parts), "prompt": text}
+    state = {"ttft": None, "parts": [], "tokens": 0}
+    if kind == "httpx":
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if _chunk_line(line, state, t0):
+                    break
+    else:
+        async with client.post(url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for raw in r.content:  # one line at a time
+                if _chunk_line(raw.decode().rstrip("\r\n"), state, t0):
+                    break
+    return {"latency": time.perf_counter() - t0, "ttft": state["ttft"],
+            "tokens": state["tokens"], "text": "".join(state["parts"]), "prompt": text}
+
+
+@contextlib.asynccontextmanager
+async def http_client(kind: str, url: str, clients: int, timeout: float):
+    """The load's HTTP client: aiohttp (the default: about a third of httpx's CPU time
+    per streamed request, CPU this process takes from the server on a small machine)
+    or httpx."""
+    if kind == "httpx":
+        import httpx
+
+        limits = httpx.Limits(max_connections=clients + 2)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as c:
+            yield c
+    else:
+        import aiohttp
+
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=clients + 2),
+                timeout=aiohttp.ClientTimeout(total=timeout)) as c:
+            yield c
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, or of process `pid` (from /proc;
+    NaN where there is none)."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def load_run(url: str, model: str, texts: list[str], clients: int, per_client: int,
-                   max_tokens: int, timeout: float) -> tuple[list[dict], float]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=clients + 2)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+                   max_tokens: int, timeout: float,
+                   kind: str = "aiohttp") -> tuple[list[dict], float]:
+    async with http_client(kind, url, clients, timeout) as client:
         async def worker(k):
             out = []
             for j in range(per_client):
                 text = texts[(k * per_client + j) % len(texts)]
-                out.append(await one_request(client, text, max_tokens, model))
+                out.append(await one_request(client, kind, url, text, max_tokens, model))
             return out
 
         t0 = time.perf_counter()
@@ -168,9 +266,49 @@ async def load_run(url: str, model: str, texts: list[str], clients: int, per_cli
     return [r for rs in results for r in rs], wall
 
 
+def projected_markdown(rows: list[dict], base: dict, ceiling: dict) -> list[str]:
+    """The rows' model calls priced on the chips, and issue 44's ratios there."""
+    if not all(r.get("projected") for r in rows):
+        return []
+    chips = list(rows[0]["projected"])
+    lines = ["", f"Projected onto chips: each row's model calls (the same runs), priced by the "
+             f"cost model as calls of `{rows[0]['projected_model']}` "
+             "(asynclane_jax.costs; docs/costs.md): requests/s if the device's calls were "
+             "the only cost. The host's work (HTTP, scheduling, detokenizing) is left out: "
+             "on a chip it runs on the host's cores beside the device, where on this CPU it "
+             "shares the two cores with the decode. Also left out: the chunk program's own "
+             "work between calls (admission, the cache rows zeroed, a state moved between "
+             "slot counts).", "",
+             "| run | clients | model calls (full + cached) | " +
+             " | ".join(f"{c} requests/s" for c in chips) + " |",
+             "|" + "---|" * (3 + len(chips))]
+    for r in rows:
+        full = sum(c["calls"] for c in r["calls"] if c["kind"] == "full")
+        cached = sum(c["calls"] for c in r["calls"] if c["kind"] == "cached")
+        lines.append(f"| {r['run']} | {r['clients'] or '-'} | {full} + {cached} | " +
+                     " | ".join(f"{r['projected'][c]:.2f}" for c in chips) + " |")
+    served = {r["clients"]: r for r in rows if r["clients"]}
+    lines += ["", "| clients | reference | " + " | ".join(chips) + " | target |",
+              "|" + "---|" * (3 + len(chips))]
+    for clients, ref_name, least in TARGETS:
+        ref = base if ref_name == "sequential generate" else ceiling
+        r = served.get(clients)
+        if r is None:
+            continue
+        lines.append(f"| {clients} | {ref['run']} | " + " | ".join(
+            f"{r['projected'][c] / ref['projected'][c]:.2f}x" for c in chips) +
+            f" | >= {least} |")
+    return lines
+
+
+def _ms(x) -> str:
+    return "-" if x is None or x != x else f"{x:.1f}"
+
+
 def to_markdown(rows: list[dict], meta: dict) -> str:
     head = ("| run | clients | requests | requests/s | tokens/s | latency p50 s | "
-            "latency p95 s | TTFT p50 s | TTFT p95 s | = baseline text |")
+            "latency p95 s | TTFT p50 s | TTFT p95 s | = baseline text | CPU ms / request: "
+            "server, this process |")
     lines = [
         "# `asynclane-jax serve` under load",
         "",
@@ -187,6 +325,10 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         "a time in one process (compiled first). Latency is to `[DONE]`, TTFT to the first "
         "content delta; tokens are completion tokens. Each row is the best (by "
         f"requests/s) of {meta['repeats']} interleaved repeats (all of them in the JSON). "
+        f"The load's HTTP client: {meta.get('client', 'httpx')}. CPU ms / request: CPU "
+        "time (user + system, every thread) of the server process and of this one (the "
+        "load's clients; for the `generate` rows, the decode itself) over the run, per "
+        "request. "
         f"Server start (load + compile): {meta['server_start_s']:.1f} s.",
         "",
         head,
@@ -197,7 +339,8 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
             f"| {r['run']} | {r['clients'] or '-'} | {r['requests']} | "
             f"{r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} | {r['latency_p50_s']:.3f} | "
             f"{r['latency_p95_s']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p95_s']:.3f} | "
-            f"{r['matches_baseline']}/{r['requests']} |")
+            f"{r['matches_baseline']}/{r['requests']} | "
+            f"{_ms(r.get('server_cpu_ms_per_request'))}, {_ms(r.get('load_cpu_ms_per_request'))} |")
     base, ceiling = rows[0], rows[1]
     served = {r["clients"]: r for r in rows if r["clients"]}
     lines += ["", "Targets (issue 44, item 3; requests/s of the server over the reference):",
@@ -221,6 +364,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
               "row here (the latency p50 of the two `generate` rows). The server runs each "
               "chunk at the smallest slot count (1, 2, 4, ...) that holds its rows, so one "
               "client pays for one row."]
+    lines += projected_markdown(rows, base, ceiling)
     if meta.get("note"):
         lines += ["", f"Note: {meta['note']}"]
     return "\n".join(lines) + "\n"
@@ -240,6 +384,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved repeats; the table keeps each run's best (requests/s)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run, at most")
+    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the load's HTTP client (aiohttp takes less of the machine's CPU)")
     ap.add_argument("--out", default=str(RESULTS / "serve"), help="results stem (.md, .json)")
     ap.add_argument("--note", default="", help="a sentence for the results (e.g. what else "
                     "ran on the machine)")
@@ -281,17 +427,27 @@ def main() -> int:
         server_start = time.perf_counter() - t0
         loaded = asynclane_jax.load(args.model)
         # Warm-up: one request (the server's first, and a connection pool's).
-        asyncio.run(load_run(url, args.model, texts[:1], 1, 1, args.max_tokens, args.timeout))
+        asyncio.run(load_run(url, args.model, texts[:1], 1, 1, args.max_tokens, args.timeout,
+                             args.client))
         best: dict[tuple, dict] = {}
         for rep in range(args.repeats):  # interleaved, so that noise hits every run alike
             # While the server idles: the baselines in this process.
             runs, answers = baseline(loaded, texts, args.max_tokens, args.slots)
             for c in clients:
+                calls0 = server_calls(url)
+                cpu0 = cpu_seconds(server.pid), cpu_seconds()
                 records, wall = asyncio.run(load_run(url, args.model, texts, c, args.requests,
-                                                     args.max_tokens, args.timeout))
+                                                     args.max_tokens, args.timeout,
+                                                     args.client))
+                cpu1 = cpu_seconds(server.pid), cpu_seconds()
                 for r in records:
                     r["match"] = r["text"] == answers[r["prompt"]]
-                runs.append(summary("serve", c, records, wall))
+                row = summary("serve", c, records, wall)
+                row["server_cpu_ms_per_request"] = 1000 * (cpu1[0] - cpu0[0]) / len(records)
+                row["load_cpu_ms_per_request"] = 1000 * (cpu1[1] - cpu0[1]) / len(records)
+                row["calls"] = calls_list(server_calls(url) - calls0)
+                runs.append(row)
+            project(runs, args.model)
             for row in runs:
                 row["repeat"] = rep
                 all_runs.append(row)
@@ -313,7 +469,7 @@ def main() -> int:
     meta = {"command": shlex.join(["python", "experiments/serve_load.py", *sys.argv[1:]]),
             "model": args.model, "slots": args.slots, "max_tokens": args.max_tokens,
             "chunk": args.chunk, "max_prompt": args.max_prompt, "requests": args.requests,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "client": args.client,
             "backend": jax.default_backend(),
             "cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
             "server_start_s": server_start, "server_stats": stats, "note": args.note}

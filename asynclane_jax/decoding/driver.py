@@ -546,7 +546,7 @@ def answered(ctx: Context, state: DecodeState, limit=None):
 
 def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in, retire,
                 chunk, operands=None, traced=None, until_answer=None, limit=None, *,
-                schedule: Schedule) -> DecodeState:
+                schedule: Schedule, sites: CallSites | None = None) -> DecodeState:
     """One chunk of continuous batching over the rows of a carried DecodeState: every
     chunk size, admission and retirement runs in this one compiled program.
 
@@ -580,6 +580,8 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
       limit: [b] int32 tokens each row's request wants (its max_tokens), what
         `answered` reads; None: G for every row.
       schedule: the sampler (static).
+      sites: where the program's call shapes are numbered (`state.shape_calls` counts
+        the calls of each across chunks); a caller that reports them passes its own.
     Returns:
       The new DecodeState.
     """
@@ -587,7 +589,7 @@ def serve_chunk(graphdef, params, state: DecodeState, pad_len, admit, canvas_in,
     st = state.replace(finished=state.finished | retire)
     canvas = jnp.where(admit[:, None], canvas_in, st.canvas)
     loop = build_loop(graphdef, params, canvas, pad_len, admit | ~st.finished, st.rng,
-                      operands, traced, schedule=schedule, pieces=True)
+                      operands, traced, schedule=schedule, pieces=True, sites=sites)
     fresh = loop.state  # a fresh decode's state (its zero cache is never used)
 
     def pick(new, old):

@@ -45,7 +45,9 @@ padding, its slot or the pool's slot count.
 
 `stats()` (for /health) and `gauges()` (for /metrics, read without the engine's lock)
 report the rows in use, the queue, the pools with the bytes they hold, the budget and
-the compiles.
+the compiles; `stats()` also the model calls made so far, by call shape (`CallShape`),
+which the cost model prices (experiments/serve_load.py projects a server's device time
+onto a chip from them).
 """
 
 from __future__ import annotations
@@ -207,6 +209,10 @@ class _Pool:
         self.placers: dict[int, Callable] = {}
         self.movers: dict[tuple[int, int], Callable] = {}  # (from, to) slots -> move
         self.blanks: dict[int, jax.Array] = {}  # slots -> an all-mask canvas (`_blank`)
+        # slots -> the chunk program's call shapes, by their slot in state.shape_calls;
+        # the state's counters as last read (`_count_calls`).
+        self.call_shapes: dict[int, tuple] = {}
+        self.counted = np.zeros(driver.MAX_CALL_SHAPES, np.int64)
         self.compile_time = 0.0
         self.last_used = time.monotonic()
 
@@ -249,15 +255,17 @@ class _Pool:
         # a fresh state from `init` has none), then put where the compiled program
         # takes it (`shardings`) whenever it is made or moved.
         abstract = jax.eval_shape(init_fn, params, rng, operands)
+        sites = driver.CallSites()
         chunk = jax.jit(lambda p, st, pad, adm, cin, ret, k, o, tr, lim: driver.serve_chunk(
-            graphdef, p, st, pad, adm, cin, ret, k, o, tr, True, lim, schedule=schedule),
-            donate_argnums=(1,))
+            graphdef, p, st, pad, adm, cin, ret, k, o, tr, True, lim, schedule=schedule,
+            sites=sites), donate_argnums=(1,))
         args = (params, abstract, jax.ShapeDtypeStruct((b,), jnp.int32),
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((b, T), jnp.int32),
                 jax.ShapeDtypeStruct((b,), bool), jax.ShapeDtypeStruct((), jnp.int32),
                 operands, self._traced_args(b) if self.defaults else None,
                 jax.ShapeDtypeStruct((b,), jnp.int32))
         fn = chunk.lower(*args).compile()
+        self.call_shapes[b] = tuple(sites.shapes)  # numbered as state.shape_calls counts
         shardings = fn.input_shardings[0][1]
         dt = time.perf_counter() - t0
         self.compile_time += dt
@@ -344,6 +352,7 @@ class _Pool:
             self.traced = {n: np.where(valid, v[src], self.defaults[n]).astype(np.float32)
                            for n, v in self.traced.items()}
         self.size = b
+        self.counted = np.asarray(self.state.shape_calls).astype(np.int64)
 
     def run_chunk(self, admit_n: int, iterations: int | None = None) -> None:
         """Runs one chunk: retires cancelled rows, admits up to admit_n waiting requests
@@ -390,12 +399,24 @@ class _Pool:
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
+        self._count_calls(b)
         for i, req in enumerate(self.rows):
             if req is not None and req is not _RETIRED and eng._advance(
                     req, gen[i], bool(finished[i])):
                 self.rows[i] = None
                 if not finished[i]:  # done by max_tokens: retire the row next chunk
                     self.rows[i] = _RETIRED
+
+    def _count_calls(self, b: int) -> None:
+        """Adds the model calls the last chunk made, by shape, to the engine's count
+        (the state's int32 counters read as they wrap)."""
+        now = np.asarray(self.state.shape_calls).astype(np.int64)
+        new = (now - self.counted) % (1 << 32)
+        self.counted = now
+        counts = self.engine.model_calls
+        for i, shape in enumerate(self.call_shapes[b]):
+            if new[i]:
+                counts[shape] = counts.get(shape, 0) + int(new[i])
 
     def _blank(self, b: int):
         """An all-mask canvas of b rows on the devices (the chunk program's canvas_in
@@ -559,7 +580,10 @@ class Engine:
                 raise EngineError(f"kv_budget {e}") from None
             self.budget_source = "given"
         self.stop_ids = set(self.cfg.stop_token_ids)
-        self._stop_array = np.array(sorted(self.stop_ids), np.int32)
+        # Whether each token id is a stop token: a lookup per answer after every chunk
+        # (np.isin sorts its arguments each call).
+        self._is_stop = np.zeros(max([self.cfg.vocab_size, *self.stop_ids]) + 1, bool)
+        self._is_stop[sorted(self.stop_ids)] = True
         self.pools: dict[tuple, _Pool] = {}
         self._layouts: dict[tuple, tuple] = {}
         self._layout_lock = threading.Lock()
@@ -573,6 +597,9 @@ class Engine:
         self.requests_done = 0
         self.tokens_sent = 0
         self.chunks = 0
+        # The model calls of every chunk so far, by shape (CallShape -> calls): what a
+        # cost model prices to project the server's device time onto a chip.
+        self.model_calls: dict = {}
         self.compiles = 0  # programs compiled (a pool at a slot count), and their seconds
         self.compile_seconds = 0.0
         self.evicted = 0  # pools dropped (max_pools) and states released (the budget)
@@ -687,6 +714,8 @@ class Engine:
                     "tokens_sent": self.tokens_sent, "chunks": self.chunks,
                     "kv_budget": self.kv_budget,
                     "pool_bytes": sum(p.held_bytes for p in pools),
+                    "model_calls": [{**shape.to_dict(), "calls": n}
+                                    for shape, n in dict(self.model_calls).items()],
                     "compile_s": [{"gen_length": p.G, "prompt_length": p.P,
                                    "options": self._shown(p.schedule),
                                    "slots": sorted(p.programs), "held_slots": p.size,
@@ -905,7 +934,7 @@ class Engine:
         it is done."""
         masked = np.flatnonzero(gen == self.cfg.mask_token_id)
         ready = int(masked[0]) if len(masked) else len(gen)
-        stops = np.flatnonzero(np.isin(gen[:ready], self._stop_array))
+        stops = np.flatnonzero(self._is_stop[gen[:ready]])
         end = min(ready, int(stops[0]) if len(stops) else ready, req.max_tokens)
         reason = None
         if len(stops) and int(stops[0]) < req.max_tokens:

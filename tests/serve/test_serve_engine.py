@@ -4,6 +4,7 @@ admitted; cancelled rows free their slot; the queue is bounded."""
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import asynclane_jax as aj
 from asynclane_jax.decoding import generate
+from asynclane_jax.decoding.stats import CallShape
 from asynclane_jax.serve.engine import Engine, EngineError, QueueFull
 from asynclane_jax.testbed import evaluate as ev
 from asynclane_jax.testbed import tasks
@@ -119,6 +121,32 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
         eng.shutdown()
     assert eng.stats()["slots_busy"] == 0
     np.testing.assert_equal(second.tokens, _expected(model, tok, prompts[1], 64, 64)[0])
+
+
+def test_model_calls_are_counted_by_shape_as_generate_counts_them(tiny):
+    """stats()["model_calls"] (what a cost model prices): requests served one at a
+    time in a one-slot pool, at generate's prompt bucket, make the calls of their
+    batch-1 `generate` decodes, shape by shape (AsyncLane's rows finish at the iteration
+    their answer completes, so the server stops where generate does)."""
+    model, tok = tiny
+    prompts = ev.prompts_for(tasks.heldout(4))
+    eng = Engine(model, tok, model_name="tiny-llada", slots=1, gen_lengths=(64,),
+                 max_prompt=32)
+    want = collections.Counter()
+    eng.start()
+    try:
+        for p in prompts:
+            c = Collector()
+            eng.submit(p, max_tokens=64, on_update=c)
+            assert c.done.wait(300)
+            res = generate(model, [p], gen_length=64, tokenizer=tok)
+            for shape, n in zip(res.stats.call_shapes, res.stats.shape_calls):
+                want[shape] += int(n)
+    finally:
+        eng.shutdown()
+    got = {CallShape.from_dict(c): c["calls"] for c in eng.stats()["model_calls"]}
+    assert got == {shape: n for shape, n in want.items() if n}
+    assert {s.kind for s in got} == {"full", "cached"} and all(s.rows == 1 for s in got)
 
 
 @pytest.mark.slow
