@@ -42,6 +42,7 @@ import sys
 import time
 from typing import Any
 
+from asynclane_jax import compile_cache
 from asynclane_jax.decoding.registry import DEFAULT_SAMPLER
 from asynclane_jax.errors import UsageError
 from asynclane_jax.serve.budget import size_text  # bytes for people (no JAX there)
@@ -419,7 +420,8 @@ def compile_for_topology(model, *, sampler: str = DEFAULT_SAMPLER, gen_length: i
     t1 = time.perf_counter()
     compiled, failure = None, ""
     try:
-        compiled = lowered.compile()
+        with compile_cache.off():  # a topology's program cannot be read back from it
+            compiled = lowered.compile()
     except Exception as e:  # the TPU compiler refuses what does not fit in HBM
         if not _out_of_memory(e):
             raise

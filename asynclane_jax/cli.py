@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         entry.load()(sub)
     for name in compile_cache.COMMANDS:
         if name in sub.choices:
-            compile_cache.add_flag(sub.choices[name])
+            if name in compile_cache.CACHED_COMMANDS:
+                compile_cache.add_flag(sub.choices[name])
             _add_compact_flag(sub.choices[name])
     return parser
 

@@ -9,6 +9,7 @@ which is every program of the tiny models).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 
@@ -38,8 +39,25 @@ def enable(folder: str | os.PathLike | None = None) -> pathlib.Path | None:
     return path
 
 
-# Commands whose programs the cache keeps.
+# The commands that compile a decode (each takes --compact-full).
 COMMANDS = ("generate", "eval", "bench", "aot", "lm-eval", "serve")
+# Those whose programs the cache keeps (--compile-cache). Not `aot`: it compiles for a
+# TPU topology with no device client, and JAX cannot load such a program back from the
+# cache (it warns and compiles again), so the cache is off while it compiles (`off`).
+CACHED_COMMANDS = tuple(c for c in COMMANDS if c != "aot")
+
+
+@contextlib.contextmanager
+def off():
+    """The persistent cache neither read nor written inside (then as it was)."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
 
 
 def add_flag(parser) -> None:

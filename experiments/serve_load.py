@@ -5,9 +5,9 @@ Starts `asynclane-jax serve` on a free port of 127.0.0.1 (a subprocess; the mode
 sampler at its defaults, --slots, one generation bucket --max-tokens), waits for it to
 compile, then for each concurrency C in --clients runs C asyncio clients (aiohttp, or
 httpx with --client httpx), each sending --requests chat completions one after another
-with stream=true. Per request it
-records the time to the first content delta (TTFT), the time to `data: [DONE]` (the
-latency) and the completion tokens (the final chunk's usage). The baseline is this
+with stream=true. Per request it records the time to the first content delta (TTFT),
+the time to `data: [DONE]` (the latency) and the completion tokens (the final chunk's
+usage); per run, the CPU time of the server process and of this one. The baseline is this
 process calling `asynclane_jax.generate` on the same prompts one at a time at gen_length
 --max-tokens (compiled first; compile time excluded), so its TTFT is its latency; a
 second reference runs `generate` on batches of --slots prompts (the offline ceiling of a
@@ -18,7 +18,10 @@ requests/s and tokens/s are over the wall time of a run; tokens are the completi
 tokens (before end-of-text). The targets of issue 44 (item 3) are checked on requests/s:
 1 client against sequential `generate` (TARGETS), and 8 and 16 clients against
 `generate` in batches of --slots; the table reports each ratio, its target and whether
-it is met, with latency p50 / p95 per run. Results: experiments/results/serve/serve.md
+it is met, with latency p50 / p95 per run. Each run's model calls (the server's, by
+shape, from /health; `generate`'s from its stats) are priced as the 8B preset's on v5e
+(int8), v6e and H200 by the cost model (docs/costs.md): the projected requests/s and
+the targets on those chips. Results: experiments/results/serve/serve.md
 and serve.json, with the command that made them (and --note, e.g. what else ran on the
 machine).
 

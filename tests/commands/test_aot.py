@@ -5,11 +5,14 @@ installs) on this machine; no TPU is needed. They are skipped only when libtpu i
 installed. The others check the errors a user can make without libtpu.
 """
 
+import argparse
 import json
 
+import jax
 import pytest
 
 from asynclane_jax import aot, cli
+from asynclane_jax.decoding import driver
 from asynclane_jax.models import preset
 
 needs_libtpu = pytest.mark.skipif(
@@ -102,16 +105,47 @@ def test_compile_for_v5e_slice():
     assert KEYS <= set(json.loads(report.to_json()))
 
 
+class _Lowered:
+    """A lowered decode whose compile records whether JAX's persistent cache was on."""
+
+    def __init__(self, lowered, seen):
+        self._lowered, self._seen = lowered, seen
+
+    def compile(self):
+        self._seen.append(jax.config.jax_enable_compilation_cache)
+        return self._lowered.compile()
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+
 @pytest.mark.tpu_aot
 @needs_libtpu
-def test_compile_for_one_chip_has_no_collectives():
+def test_compile_for_one_chip_has_no_collectives(monkeypatch):
+    # The persistent compilation cache is off while aot compiles (JAX cannot load a
+    # topology's program back from it), and `aot` does not offer --compile-cache.
+    seen, lower = [], driver.lower_decode
+    monkeypatch.setattr(driver, "lower_decode",
+                        lambda *a, **k: _Lowered(lower(*a, **k), seen))
+    cache_on = jax.config.jax_enable_compilation_cache
     report = aot.compile_for_topology(SMALL, sampler="fast-dllm", options={"cache": "dual"},
                                       gen_length=64, batch=1, prompt_len=32,
                                       topology="v6e:1x1", mesh="tensor")
+    assert seen == [False] and jax.config.jax_enable_compilation_cache == cache_on
+    flags = {name: {s for a in p._actions for s in a.option_strings}
+             for name, p in _subparsers().items()}
+    assert "--compile-cache" not in flags["aot"] and "--compact-full" in flags["aot"]
+    assert "--compile-cache" in flags["generate"]
     assert report.fits and report.chips == 1 and report.device_kind == "TPU v6 lite"
     assert report.hbm_bytes == 32 * 2 ** 30
     assert report.argument_bytes >= report.param_bytes
     assert not any(report.collectives.values())
+
+
+def _subparsers() -> dict:
+    parser = cli.build_parser()
+    return next(a for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction)).choices
 
 
 @pytest.mark.tpu_aot
