@@ -49,15 +49,20 @@ CACHED_COMMANDS = tuple(c for c in COMMANDS if c != "aot")
 
 @contextlib.contextmanager
 def off():
-    """The persistent cache neither read nor written inside (then as it was)."""
+    """The persistent cache neither read nor written inside (then as it was). JAX
+    decides once per process whether it uses the cache, so the decision is reset on
+    the way in and out (not for compiles running meanwhile in other threads)."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
 
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+        cc.reset_cache()
 
 
 def add_flag(parser) -> None:

@@ -7,12 +7,12 @@ installed. The others check the errors a user can make without libtpu.
 
 import argparse
 import json
+import warnings
 
 import jax
 import pytest
 
-from asynclane_jax import aot, cli
-from asynclane_jax.decoding import driver
+from asynclane_jax import aot, cli, compile_cache
 from asynclane_jax.models import preset
 
 needs_libtpu = pytest.mark.skipif(
@@ -105,41 +105,47 @@ def test_compile_for_v5e_slice():
     assert KEYS <= set(json.loads(report.to_json()))
 
 
-class _Lowered:
-    """A lowered decode whose compile records whether JAX's persistent cache was on."""
-
-    def __init__(self, lowered, seen):
-        self._lowered, self._seen = lowered, seen
-
-    def compile(self):
-        self._seen.append(jax.config.jax_enable_compilation_cache)
-        return self._lowered.compile()
-
-    def __getattr__(self, name):
-        return getattr(self._lowered, name)
-
-
 @pytest.mark.tpu_aot
 @needs_libtpu
-def test_compile_for_one_chip_has_no_collectives(monkeypatch):
-    # The persistent compilation cache is off while aot compiles (JAX cannot load a
-    # topology's program back from it), and `aot` does not offer --compile-cache.
-    seen, lower = [], driver.lower_decode
-    monkeypatch.setattr(driver, "lower_decode",
-                        lambda *a, **k: _Lowered(lower(*a, **k), seen))
-    cache_on = jax.config.jax_enable_compilation_cache
+def test_compile_for_one_chip_has_no_collectives():
     report = aot.compile_for_topology(SMALL, sampler="fast-dllm", options={"cache": "dual"},
                                       gen_length=64, batch=1, prompt_len=32,
                                       topology="v6e:1x1", mesh="tensor")
-    assert seen == [False] and jax.config.jax_enable_compilation_cache == cache_on
-    flags = {name: {s for a in p._actions for s in a.option_strings}
-             for name, p in _subparsers().items()}
-    assert "--compile-cache" not in flags["aot"] and "--compact-full" in flags["aot"]
-    assert "--compile-cache" in flags["generate"]
     assert report.fits and report.chips == 1 and report.device_kind == "TPU v6 lite"
     assert report.hbm_bytes == 32 * 2 ** 30
     assert report.argument_bytes >= report.param_bytes
     assert not any(report.collectives.values())
+
+
+@pytest.mark.tpu_aot
+@needs_libtpu
+def test_aot_compiles_with_the_persistent_cache_off(tmp_path):
+    """JAX cannot load a program compiled for a TPU topology back from its persistent
+    cache (it warns and compiles again), so aot writes nothing there, a second compile
+    warns of nothing, the cache is as it was afterwards, and `aot` does not offer
+    --compile-cache."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    before = jax.config.jax_compilation_cache_dir
+    compile_cache.enable(tmp_path)
+    cc.reset_cache()  # JAX reads the folder once per process
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*persistent compilation cache")
+            for _ in range(2):
+                aot.compile_for_topology(SMALL, sampler="vanilla", gen_length=64, batch=1,
+                                         prompt_len=32, topology="v6e:1x1", mesh="tensor")
+        assert not any(tmp_path.iterdir())
+        assert jax.config.jax_enable_compilation_cache
+        jax.jit(lambda x: x + 1)(jax.numpy.arange(3.0))  # the cache is back in use
+        assert any(tmp_path.iterdir())
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        cc.reset_cache()
+    flags = {name: {s for a in p._actions for s in a.option_strings}
+             for name, p in _subparsers().items()}
+    assert "--compile-cache" not in flags["aot"] and "--compact-full" in flags["aot"]
+    assert "--compile-cache" in flags["generate"]
 
 
 def _subparsers() -> dict:
