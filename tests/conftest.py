@@ -59,11 +59,14 @@ def tiny_dream_model():
     return make_model("dream", lm_scale=30.0)
 
 
-# The files that take longest, in the order they should start: with the suite split
-# across two workers one file at a time (pyproject addopts), a long file that starts
-# last keeps one worker busy alone at the end.
-LONGEST_FIRST = ("test_sharding.py", "test_asynclane.py", "test_asynclane_forking.py",
-                 "test_serve_http.py", "test_equal_footing.py", "test_d2f.py")
+# The files that take longest (a run of the suite, 2026-12-05), in the order they should
+# start: with the suite split across two workers one file at a time (pyproject addopts),
+# a long file that starts last keeps one worker busy alone at the end.
+LONGEST_FIRST = ("test_sharding.py", "test_early_bird.py", "test_testbed.py",
+                 "test_serve_engine.py", "test_asynclane.py", "test_scan_layers.py",
+                 "test_d2f_cached_logits.py", "test_decoding_exactness.py",
+                 "test_llada2_samplers.py", "test_decoding.py", "test_serve_http.py",
+                 "test_d2f.py")
 
 
 def pytest_collection_modifyitems(config, items):
