@@ -165,12 +165,12 @@ def project(rows: list[dict], model: str) -> None:
     server's host work runs beside the device's)."""
     from asynclane_jax.bench import project as proj
     from asynclane_jax.costs import roofline
-    from asynclane_jax.decoding.stats import CallShape
 
-    name = proj.DEFAULT_PROJECT_MODELS[proj.family_of_name(model)]
-    cfg = proj.project_model_config(name, proj.family_of_name(model))
+    family = proj.family_of_name(model)
+    name = proj.DEFAULT_PROJECT_MODELS[family]
+    cfg = proj.project_model_config(name, family)
     for row in rows:
-        counts = [(CallShape.from_dict(c), c["calls"]) for c in row["calls"]]
+        counts = proj.row_counts(row)
         row["projected_model"] = name
         row["projected"] = {
             proj.label(chip, weights): row["requests"] / roofline.decode_time(
