@@ -1,7 +1,7 @@
 """AsyncLane with forking on and off, against the equal-footing baselines.
 
 Every variant decodes the same held-out problems of the testbed in one process, batch 1,
-interleaved problem by problem (the order rotated), compilation excluded (one warm-up
+interleaved problem by problem (in `bench.runner.run_order`'s order), compilation excluded (one warm-up
 call per variant), as `asynclane-jax bench` does. Per variant it reports, besides the
 bench's accuracy, tokens/s (tokens before the first end-of-text per second of decoding)
 and model calls per token:
@@ -168,6 +168,7 @@ def main() -> int:
 
     import asynclane_jax
     from asynclane_jax.decoding import generate
+    from asynclane_jax.bench.runner import run_order
     from asynclane_jax.testbed import evaluate, tasks
 
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
@@ -192,8 +193,7 @@ def main() -> int:
     recs = [[] for _ in variants]
     wall = [0.0] * len(variants)
     for i in range(args.n):
-        for off in range(len(variants)):
-            k = (i + off) % len(variants)
+        for k in run_order(i, len(variants)):
             res = run(k, i)
             wall[k] += res.stats.decode_time
             recs[k] += record(res, problems, [i], evaluate.check)

@@ -5,7 +5,7 @@
 
 The command and its JSON:
   spec.py     the sampler specs: grammar (`NAME:key=a|b@MODEL`), defaults, validation
-  runner.py   the timing loop (warm-up, then batches interleaved, the order rotated),
+  runner.py   the timing loop (warm-up, then batches interleaved, each in its own order),
               the tally, the rows and the JSON file
   table.py    the printed table
   cli.py      the command (`register`, `main`)
