@@ -123,11 +123,10 @@ def run_order(batch: int, n: int) -> list[int]:
     from a generator seeded by the batch number, the same in every run.
 
     Not a rotation: the task sets' problems cycle through their families, so a rotation
-    whose period divides the cycle gives each family a fixed order. A variant that runs
-    right after its own previous call finds its program and buffers warm in the CPU's
-    caches, one that follows another program does not; with two variants and four
-    families, one variant ran warm on every math problem and cold on none, which
-    decided a per-family ratio by 5-6% on answers of two calls.
+    whose period divides the cycle gives each family a fixed order (with two variants
+    and four families, one variant always ran first on every math problem). What ran
+    just before a call, its own program or another, changes a short decode's time,
+    so a fixed order can tilt a per-family ratio; a drawn order cannot, on average.
     """
     return [int(k) for k in np.random.default_rng(batch).permutation(n)]
 
