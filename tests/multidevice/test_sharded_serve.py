@@ -14,7 +14,8 @@ from asynclane_jax.testbed import evaluate, tasks
 def test_engine_on_a_mesh_gives_generates_tokens():
     model, tok, _ = asynclane_jax.load("tiny-llada", mesh="data=2,tensor=4")
     prompts = evaluate.prompts_for(tasks.heldout(3))
-    eng = Engine(model, tok, model_name="tiny-llada", slots=4, gen_lengths=(64,), chunk=4)
+    eng = Engine(model, tok, model_name="tiny-llada", slots=2, gen_lengths=(64,), chunk=4,
+                 max_prompt=64)
     eng.start()
     got = []
     try:

@@ -60,7 +60,7 @@ def test_requests_get_generates_tokens_under_continuous_batching(tiny, sampler, 
     # Two slots and chunks of 2 iterations: requests are admitted while others are
     # half-way through, into rows that other requests used before.
     eng = Engine(model, tok, model_name="tiny-llada", sampler=sampler, options=options,
-                 slots=2, gen_lengths=(64,), chunk=2)
+                 slots=2, gen_lengths=(64,), chunk=2, max_prompt=64, precompile="none")
     eng.start()
     try:
         max_tokens = [64, 64, 20, 64, 5, 64, 64]
@@ -85,8 +85,10 @@ def test_requests_get_generates_tokens_under_continuous_batching(tiny, sampler, 
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
     model, tok = tiny
     prompts = ev.prompts_for(tasks.heldout(3))
+    # The default precompile ("all": every slot count of every bucket at start), here
+    # where it is one program.
     eng = Engine(model, tok, model_name="tiny-llada", slots=1, gen_lengths=(64,), chunk=1,
-                 queue_size=1)
+                 queue_size=1, max_prompt=64)
     with pytest.raises(EngineError, match="not running"):
         eng.submit(prompts[0], max_tokens=8, on_update=lambda u: None)
     eng.start()
@@ -158,7 +160,7 @@ def test_a_llada2_model_is_served_as_generate_decodes_it():
     assert cfg.family == "llada2" and cfg.block_causal
     prompts = ev.prompts_for(tasks.heldout(3, "v4"))
     eng = Engine(model, tok, model_name="tiny-llada2-v4", sampler="llada2", slots=2,
-                 gen_lengths=(128,), chunk=3)
+                 gen_lengths=(128,), chunk=3, max_prompt=64, precompile="none")
     eng.start()
     try:
         got = [Collector() for _ in prompts]
