@@ -1,10 +1,10 @@
 """AsyncLane with forking on and off, against the equal-footing baselines.
 
 Every variant decodes the same held-out problems of the testbed in one process, batch 1,
-interleaved problem by problem (in `bench.runner.run_order`'s order), compilation excluded (one warm-up
-call per variant), as `asynclane-jax bench` does. Per variant it reports, besides the
-bench's accuracy, tokens/s (tokens before the first end-of-text per second of decoding)
-and model calls per token:
+interleaved problem by problem (in `bench.runner.run_order`'s order), compilation
+excluded (one warm-up call per variant), as `asynclane-jax bench` does. Per variant it
+reports, besides the bench's accuracy, tokens/s (tokens before the first end-of-text per
+second of decoding) and model calls per token:
   steps: mean iterations serving a problem;
   idle: mean iterations that committed no position (LaneStats.idle_steps);
   overlap: mean iterations in which a refine lane was alive (holding a mask) and a
@@ -167,8 +167,8 @@ def main() -> int:
     args = ap.parse_args()
 
     import asynclane_jax
-    from asynclane_jax.decoding import generate
     from asynclane_jax.bench.runner import run_order
+    from asynclane_jax.decoding import generate
     from asynclane_jax.testbed import evaluate, tasks
 
     variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
