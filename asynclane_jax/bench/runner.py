@@ -6,7 +6,8 @@ first batch (not timed; its compile time is reported as compile_s); then every b
 prompts is decoded by every variant in turn, in an order drawn afresh for each batch
 (`run_order`), so that machine noise, and the warmth a program leaves behind for the
 next call of the same program, hit all variants alike. Times are `stats.decode_time`
-(compilation excluded). A spec with alternatives (`a|b`, bench.spec) reports its fastest variant.
+(compilation excluded). A spec with alternatives (`a|b`, bench.spec) reports its fastest
+variant.
 
 Row fields (one row per spec and generation length; the JSON file's `rows`):
   model, sampler (the spec as given), options (the options of the variant chosen),
