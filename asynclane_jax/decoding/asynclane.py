@@ -44,7 +44,9 @@ Defaults (why each, with the measurements: docs/asynclane.md, "The options and t
 defaults"): forking at newlines (one lane slot per 8 generated positions, at least 16),
 a full forward once the window has travelled a block (refresh_travel=32), a threshold of
 0.95 (Fast-dLLM publishes 0.9; the higher one rights math answers at the same speed on
-both v4 testbed models), and the cascade. max_lanes=1 turns the lanes off. Lookahead
+both v4 testbed models), 4 extra query slots and a refine budget of 4 iterations, 8 and 8
+from gen_length 512 up (the wider call trades full forwards for cached calls, which pays
+on the longer canvas only), and the cascade. max_lanes=1 turns the lanes off. Lookahead
 draft reuse and renewal calls (a refresh as a wide cached call) were options and are
 removed: docs/asynclane.md, "Removed options".
 
@@ -78,6 +80,10 @@ from asynclane_jax.decoding.schedule import CallOutput, Context, Plan, SamplerEr
 # fork at every line (the testbed's long answers run to 34 lines in 377 tokens).
 DEFAULT_MAX_LANES = 16
 LANE_SPACING = 8
+# Extra query slots when extra_queries is not given: EXTRA_QUERIES_LONG from gen_length
+# LONG_CANVAS up, else EXTRA_QUERIES_SHORT (docs/asynclane.md, "The options and their
+# defaults": the wider call pays at 512 and costs calls at 256).
+EXTRA_QUERIES_SHORT, EXTRA_QUERIES_LONG, LONG_CANVAS = 4, 8, 512
 
 
 @struct.dataclass
@@ -532,9 +538,12 @@ class AsyncLaneSchedule(Schedule):
       stable_fraction: least committed fraction of a prefix when it forks.
       refine_budget: iterations after a fork from which a refine lane also commits its
         own most confident position every iteration (before that, only the one commit
-        forced per iteration, the refine lanes' most confident, serves it).
+        forced per iteration, the refine lanes' most confident, serves it). Default
+        (None): extra_queries, so that the budget grows with the refine-lane masks
+        one call serves.
       extra_queries: E, query slots per call for dirty positions and refine lanes; a
-        prefix forks only when its masks and stale positions fit in them.
+        prefix forks only when its masks and stale positions fit in them. Default
+        (None): 8 from gen_length 512 up, else 4.
       refresh_travel: a full forward once the window has moved this many positions
         since the row's last one, by forks or advances (0: off). Forks move the window
         without an advance, so with forking the cache of the canvas after the window
@@ -564,8 +573,8 @@ class AsyncLaneSchedule(Schedule):
     delimiters: str = "newline"
     refine_window: int = 4
     stable_fraction: float = 0.5
-    refine_budget: int = 4
-    extra_queries: int = 4
+    refine_budget: int | None = None
+    extra_queries: int | None = None
     refresh_travel: int = 32
     cascade: bool = True
     # The delimiter token ids, resolved from `delimiters` (and the tokenizer) by `bind`.
@@ -574,6 +583,11 @@ class AsyncLaneSchedule(Schedule):
     def __post_init__(self):
         super().__post_init__()
         n = self.name
+        if self.extra_queries is None:
+            object.__setattr__(self, "extra_queries", EXTRA_QUERIES_LONG
+                               if self.gen_length >= LONG_CANVAS else EXTRA_QUERIES_SHORT)
+        if self.refine_budget is None:
+            object.__setattr__(self, "refine_budget", self.extra_queries)
         ops.check_threshold(n, self.threshold)
         for field, low in (("block_length", 1), ("max_lanes", 1), ("refine_window", 0),
                            ("refine_budget", 0), ("extra_queries", 0),

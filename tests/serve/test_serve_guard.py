@@ -473,6 +473,12 @@ def test_sigterm_tells_streams_and_plain_requests(tmp_path):
         for t in threads:
             t.start()
         assert started.acquire(timeout=30) and started.acquire(timeout=30)
+
+        def all_three_in():  # the plain request too has reached the engine
+            h = httpx.get(url + "/health", timeout=5).json()
+            return h["slots_busy"] + h["waiting"] >= 3
+
+        assert wait_for(all_three_in, timeout=30)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         for t in threads:
