@@ -15,6 +15,7 @@ as published, with early stop, and on AsyncLane's footing (bench.compare's docst
 
 Usage: python experiments/bench_samplers.py [--model tiny-llada] [--n 50] [--batch 1]
        [--gen-lengths 128,256,512] [--samplers SPEC,SPEC,...] [--tag T]
+       [--project v5e,v6e,h200]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> int:
     ap.add_argument("--gen-lengths", default=",".join(map(str, spec.DEFAULT_GEN_LENGTHS)))
     ap.add_argument("--samplers", default=None, help="default: the bench command's")
     ap.add_argument("--tag", default=None, help="results named bench_<model>[_batchB]_<tag>")
+    ap.add_argument("--project", default=None, metavar="CHIPS",
+                    help="also project each row on these chips (the bench's --project)")
     args = ap.parse_args()
 
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -53,6 +56,8 @@ def main() -> int:
             "--gen-lengths", args.gen_lengths, "--json", f"{stem}.json"]
     if args.samplers:
         argv += ["--samplers", args.samplers]
+    if args.project:
+        argv += ["--project", args.project]
     if importlib.util.find_spec("matplotlib") is not None:
         argv += ["--plot", f"{stem}.png"]
     rc = cli.main(argv)
