@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from reference_samplers import make_model, make_prompts
 
 import asynclane_jax
-from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding import driver, generate, make_schedule
 from asynclane_jax.decoding.lanes import DONE, FREE, TERMINATED
 from asynclane_jax.decoding.schedule import SamplerError
 from asynclane_jax.testbed import evaluate, tasks
@@ -174,6 +174,21 @@ def test_bad_settings_are_refused(tiny_llada_model):
     with pytest.raises(SamplerError, match="outside the vocabulary"):
         generate(tiny_llada_model, [[1, 2]], sampler="asynclane", gen_length=8,
                  delimiters="100000")
+
+
+def test_extra_queries_and_refine_budget_follow_the_canvas():
+    # 4 and 4 below gen_length 512, 8 and 8 from it; the budget follows the slots unless
+    # given, and given values win.
+    make = make_schedule
+    assert [(s.extra_queries, s.refine_budget) for s in (
+        make("asynclane", gen_length=g) for g in (8, 256, 511, 512, 1024))] == [
+        (4, 4), (4, 4), (4, 4), (8, 8), (8, 8)]
+    s = make("asynclane", gen_length=256, extra_queries=8)
+    assert (s.extra_queries, s.refine_budget) == (8, 8)
+    s = make("asynclane", gen_length=512, extra_queries=4, refine_budget=2)
+    assert (s.extra_queries, s.refine_budget) == (4, 2)
+    with pytest.raises(SamplerError, match="refine_budget"):
+        make("asynclane", gen_length=512, refine_budget=-1)
 
 
 # -- properties over random tiny models and random settings -----------------------------
