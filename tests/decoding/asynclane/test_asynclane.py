@@ -179,16 +179,16 @@ def test_bad_settings_are_refused(tiny_llada_model):
 def test_extra_queries_and_refine_budget_follow_the_canvas():
     # 4 and 4 below gen_length 512, 8 and 8 from it; the budget follows the slots unless
     # given, and given values win.
-    make = make_schedule
-    assert [(s.extra_queries, s.refine_budget) for s in (
-        make("asynclane", gen_length=g) for g in (8, 256, 511, 512, 1024))] == [
+    def slots(**opts):
+        s = make_schedule("asynclane", **opts)
+        return s.extra_queries, s.refine_budget
+
+    assert [slots(gen_length=g) for g in (8, 256, 511, 512, 1024)] == [
         (4, 4), (4, 4), (4, 4), (8, 8), (8, 8)]
-    s = make("asynclane", gen_length=256, extra_queries=8)
-    assert (s.extra_queries, s.refine_budget) == (8, 8)
-    s = make("asynclane", gen_length=512, extra_queries=4, refine_budget=2)
-    assert (s.extra_queries, s.refine_budget) == (4, 2)
+    assert slots(gen_length=256, extra_queries=8) == (8, 8)
+    assert slots(gen_length=512, extra_queries=4, refine_budget=2) == (4, 2)
     with pytest.raises(SamplerError, match="refine_budget"):
-        make("asynclane", gen_length=512, refine_budget=-1)
+        slots(gen_length=512, refine_budget=-1)
 
 
 # -- properties over random tiny models and random settings -----------------------------
