@@ -145,10 +145,22 @@ def inspect_output(array: np.ndarray) -> tuple[dict, int]:
     return checkpoint.digest_entry(array), count_nonfinite(array)
 
 
+# Seconds after which an interrupt that landed where Python cannot raise it is delivered
+# again (sigterm_as_interrupt).
+REDELIVER_S = 0.005
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt inside (as SIGINT does), so that a terminated
-    conversion still removes its temporary folder. Main thread only; elsewhere a no-op."""
+    conversion still removes its temporary folder. Main thread only; elsewhere a no-op.
+
+    A signal can land while the interpreter runs a garbage-collector callback or a
+    `__del__` (JAX registers one), where an exception cannot propagate: Python would
+    print it as a traceback and carry on as if no signal had come. Inside, such an
+    interrupt is sent again a moment later as SIGTERM (so that a block holding signals,
+    `integrity.signals_held`, holds it too), and raised wherever the main thread is by
+    then."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -156,10 +168,26 @@ def sigterm_as_interrupt() -> Iterator[None]:
     def handler(signum, frame):
         raise KeyboardInterrupt
 
+    timers: list[threading.Timer] = []
+
+    def unraisable(info):
+        if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
+            timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.daemon = True
+            timers.append(timer)
+            timer.start()
+        else:
+            previous_hook(info)
+
     previous = signal.signal(signal.SIGTERM, handler)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
+        for timer in timers:
+            timer.cancel()
+        sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -420,6 +420,28 @@ def test_signal_at_any_moment_leaves_a_whole_folder_or_nothing(signalled):
         assert checkpoint.verify_folder(out / "dst") > 0
 
 
+def test_an_interrupt_raised_where_python_drops_it_is_delivered_again(capfd):
+    """A signal that lands in a __del__ or a garbage-collector callback (JAX has one)
+    raises there, where Python prints the exception and drops it; inside the
+    converter's handler it is raised again a moment later, with nothing printed."""
+    import threading
+
+    from checkpoints_convert.convert import sigterm_as_interrupt
+
+    assert threading.current_thread() is threading.main_thread()  # pytest's own
+
+    class Dropped:
+        def __del__(self):
+            raise KeyboardInterrupt  # as the signal handler does when it lands here
+
+    deadline = time.monotonic() + 5
+    with sigterm_as_interrupt(), pytest.raises(KeyboardInterrupt):
+        Dropped()  # collected at once: its __del__ runs, and its exception is dropped
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+    assert "Traceback" not in capfd.readouterr().err
+
+
 # --------------------------------------------------------------------------- destinations
 
 def test_dangling_symlink_destination(src, tmp_path, capsys):
