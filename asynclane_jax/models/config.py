@@ -720,7 +720,8 @@ def _from_llada(hf, dtype):
     f.fail_if(bool(hf.get("alibi")), "alibi=true is not supported (RoPE only)")
     f.fail_if(hf.get("rope") is False, "rope=false is not supported")
     f.fail_if(bool(hf.get("include_bias")), "include_bias=true is not supported")
-    f.fail_if(hf.get("clip_qkv") is not None, f"clip_qkv={hf.get('clip_qkv')} is not supported")
+    f.fail_if(hf.get("clip_qkv") is not None,
+              f"clip_qkv={show(hf.get('clip_qkv'))} is not supported")
     f.fail_if(bool(hf.get("rope_full_precision") is False),
               "rope_full_precision=false is not supported")
     f.fail_if(bool(hf.get("attention_layer_norm")), "attention_layer_norm=true is not supported")
@@ -779,7 +780,7 @@ def _from_dream(hf, dtype):
         head_dim = d_model // n_heads if d_model and n_heads else None
     f.fail_if(bool(hf.get("use_sliding_window")), "use_sliding_window=true is not supported")
     f.fail_if(hf.get("rope_scaling") not in (None, {}),
-              f"rope_scaling={hf.get('rope_scaling')} is not supported")
+              f"rope_scaling={show(hf.get('rope_scaling'))} is not supported")
     act = hf.get("hidden_act", "silu")
     f.fail_if(act != "silu", f"hidden_act={show(act)} is not supported (SwiGLU/silu only)")
     rope_theta = f.number("rope_theta", 10000.0)

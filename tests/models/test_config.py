@@ -55,6 +55,15 @@ def test_unsupported_fields_raise(hf, field):
         from_hf_config(hf)
 
 
+@pytest.mark.parametrize("hf", [dict(LLADA_8B, clip_qkv="a\nb" * 40),
+                                dict(LLADA_8B, rope_scaling="\n"),
+                                dict(DREAM_7B, rope_scaling="x\ny")])
+def test_a_refused_value_is_shown_on_one_short_line(hf):
+    with pytest.raises(ConfigError) as e:
+        from_hf_config(hf)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 200, str(e.value)
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as e:
         from_hf_config(dict(LLADA_8B, alibi=True, clip_qkv=8.0, include_bias=True))
