@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -121,8 +122,10 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
              n: int = 500, split: str = "heldout", batch_size: int = 50,
              block_length: int | None = None, progress: bool = False, on_batch=None,
              task_set: str = tasks.DEFAULT_TASK_SET, resume: dict | None = None,
+             families: Sequence[str] | None = None, buckets: Sequence[str] | None = None,
              **sampler_options) -> dict:
-    """Exact-match accuracy (`tasks.check`) on n problems of a split.
+    """Exact-match accuracy (`tasks.check`) on n problems of a split, or on those of
+    them in some families and answer-length buckets.
 
     Args:
       model: a DiffusionLM trained on the testbed vocabulary (e.g. load("tiny-llada")[0]).
@@ -139,6 +142,10 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
       resume: a result this function returned (or wrote through on_batch) for the same
         settings and an n no larger than this one: its problems are not decoded again,
         and the run goes on from the first problem it had not done.
+      families, buckets: when given, only the first n problems of these families
+        (`tasks.families_of(task_set)`) and answer-length buckets
+        (`tasks.LENGTH_BUCKETS` names, e.g. ">256") are decoded; the result's
+        "problems" lists their indices in the split, and its "n" counts them.
       **sampler_options: the sampler's options (steps, threshold, ...).
     Returns:
       {"accuracy", "n", "correct", "accuracy_<family>", "line_accuracy",
@@ -155,6 +162,11 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
 
     check_n(n, split)
     problems = tasks.split(split, n, task_set)
+    buckets_wanted = None if buckets is None else list(buckets)
+    families = None if families is None else list(families)
+    indices = select(problems, task_set, families, buckets_wanted)
+    problems = [problems[i] for i in indices]
+    n = len(problems)
     buckets = [tasks.length_bucket(tasks.answer_tokens(p)) for p in problems]
     prompts = prompts_for(problems, tokenizer)
     bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
@@ -163,6 +175,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     speed = SpeedTally()
     settings = {"sampler": sampler, "gen_length": gen_length, "block_length": block_length,
                 "options": sampler_options, "split": split, "task_set": task_set}
+    settings.update(families=families, buckets=buckets_wanted)
     if resume is not None:
         check_resumable(resume, settings, n)
         ok = [bool(r[0]) for r in resume["per_problem"]]
@@ -188,6 +201,8 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
         done = len(ok)
         result = {
             **settings, "n": done,
+            **({} if families is None and buckets_wanted is None
+               else {"problems": indices[:done]}),
             "correct": int(sum(ok)), "accuracy": float(np.mean(ok)),
             "line_accuracy": _line_share(lines),
             **speed.figures(),
@@ -211,6 +226,26 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     if bar is not None:
         bar.close()
     return result
+
+
+def select(problems, task_set: str, families=None, buckets=None) -> list[int]:
+    """Indices of the problems in `families` and answer-length `buckets` (None: any);
+    ValueError on a name that is not one of the task set's families or of
+    `tasks.LENGTH_BUCKETS`, or when no problem is left."""
+    known_families = tasks.families_of(task_set)
+    known_buckets = [name for name, _, _ in tasks.LENGTH_BUCKETS]
+    for wanted, known, what in ((families, known_families, "family"),
+                                (buckets, known_buckets, "answer-length bucket")):
+        bad = [w for w in wanted or () if w not in known]
+        if bad:
+            raise ValueError(f"unknown {what} {bad[0]!r}: expected one of {list(known)}")
+    out = [i for i, p in enumerate(problems)
+           if (families is None or p.family in families) and (
+               buckets is None or tasks.length_bucket(tasks.answer_tokens(p)) in buckets)]
+    if not out:
+        raise ValueError(f"none of the {len(problems)} problems is in families "
+                         f"{families or 'any'} and buckets {buckets or 'any'}")
+    return out
 
 
 def check_resumable(previous: dict, settings: dict, n: int) -> None:
@@ -249,6 +284,12 @@ def main(argv=None):
                     help="task set (default: the one the model was trained on)")
     ap.add_argument("--option", action="append", default=[],
                     help="sampler option KEY=VALUE (repeatable), e.g. threshold=0.9")
+    ap.add_argument("--families", default=None,
+                    help="comma-separated families: only the first --n problems of these "
+                         "(e.g. math)")
+    ap.add_argument("--buckets", default=None,
+                    help="comma-separated answer-length buckets: only the first --n problems "
+                         "whose answers fall in them (<=64, 65-128, 129-256, >256)")
     ap.add_argument("--out", default=None, help="write the result JSON here (after each batch)")
     ap.add_argument("--resume", action="store_true",
                     help="go on from the partial result in --out (same settings) instead of "
@@ -267,13 +308,20 @@ def main(argv=None):
 
     options = parse_options(args.option)
     task_set = args.tasks or tasks.model_task_set(args.model)
+    families = None if args.families is None else [f.strip() for f in args.families.split(",")]
+    buckets = None if args.buckets is None else [b.strip() for b in args.buckets.split(",")]
+    try:
+        select(tasks.split(args.split, args.n, task_set), task_set, families, buckets)
+    except ValueError as e:
+        ap.error(str(e))
     previous = None
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:
             previous = json.load(f)
         settings = {"sampler": args.sampler, "gen_length": args.gen_length,
                     "block_length": args.block_length, "options": options,
-                    "split": args.split, "task_set": task_set}
+                    "split": args.split, "task_set": task_set,
+                    "families": families, "buckets": buckets}
         try:
             if previous.get("model") != args.model:
                 raise ValueError(f"it is of model {previous.get('model')!r}")
@@ -287,12 +335,14 @@ def main(argv=None):
         res = dict(res, model=args.model, elapsed_s=round(time.time() - t0, 1))
         if args.out:
             write_json(args.out, res)
-        brief = {k: v for k, v in res.items() if k not in ("per_problem", "tally")}
+        brief = {k: v for k, v in res.items()
+                 if k not in ("per_problem", "tally", "problems")}
         print(json.dumps(brief), flush=True)
 
     write(evaluate(model, tokenizer, sampler=args.sampler, gen_length=args.gen_length, n=args.n,
                    split=args.split, batch_size=args.batch_size,
                    block_length=args.block_length, on_batch=write, task_set=task_set,
+                   families=families, buckets=buckets,
                    resume=previous, **options))
 
 

@@ -111,6 +111,41 @@ def test_evaluate_resumes_where_it_stopped(model_dir, tmp_path, capsys):
     assert part.read_text() == before
 
 
+def test_evaluate_on_chosen_families_and_buckets(model_dir, tmp_path, capsys):
+    """--families and --buckets decode only the first --n problems in them: the result
+    names their indices in the split, counts only them, and a resume with other
+    choices is refused; an unknown name is refused before any decode."""
+    from asynclane_jax.testbed import evaluate, tasks
+
+    base = [str(model_dir), "--sampler", "fast-dllm", "--gen-length", "16",
+            "--block-length", "8", "--batch-size", "2", "--n", "8"]
+    out = tmp_path / "math.json"
+    evaluate.main([*base, "--families", "math", "--out", str(out)])
+    got = json.loads(out.read_text())
+    problems = tasks.split("heldout", 8, got["task_set"])
+    want = [i for i, p in enumerate(problems) if p.family == "math"]
+    assert got["problems"] == want and 0 < len(want) < 8
+    assert got["n"] == len(want) == len(got["per_problem"]) == got["n_math"]
+    assert got["families"] == ["math"] and got["buckets"] is None
+    assert [k for k in got if k.startswith("n_")] == ["n_math"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([*base, "--families", "code", "--out", str(out), "--resume"])
+    assert e.value.code == 2
+    assert "families: ['math'] there, ['code'] here" in capsys.readouterr().err
+    for flag, name, what in (("--buckets", ">999", "answer-length bucket"),
+                             ("--families", "poetry", "family")):
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([*base, flag, name])
+        assert e.value.code == 2
+        assert f"unknown {what} {name!r}" in capsys.readouterr().err
+    # The buckets are the answers' lengths as the results split them.
+    pool = tasks.split("heldout", 200, "v4")
+    long = evaluate.select(pool, "v4", buckets=[">256"])
+    assert long and all(tasks.answer_tokens(pool[i]) > 256 for i in long)
+    assert len(long) == sum(tasks.answer_tokens(p) > 256 for p in pool)
+
+
 def test_info_on_a_converted_folder(model_dir, capsys):
     assert main(["info", "--model", str(model_dir), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
