@@ -20,9 +20,17 @@ Per-problem records are saved too (with the family; "problem" is the index among
 problems kept), so any other comparison can be made from the JSON, and accuracy is
 reported per family. The problems are the held-out split of the model's task set
 (--tasks to choose another), optionally only some of its families (--families).
+With --first N they are instead those of the first N held-out problems (the order of
+`asynclane-jax bench` and `testbed.evaluate`) that are in --families and in the
+answer-length --buckets, --n at most; their indices in the split are saved.
+
+--reference-file FILE takes the per-problem results of a `testbed.evaluate` run on the
+same problems (e.g. vanilla, too slow to decode beside the others) and adds every
+variant's paired difference against it (`acc_diff_vs_file`, the same bootstrap).
 
 Usage: python experiments/asynclane_forking.py --model tiny-llada [--n 200]
        [--gen-length 256] [--variant NAME=SAMPLER:key=value:...]... [--out FILE]
+       [--first N --buckets '>256'] [--reference-file EVAL.json]
 """
 
 from __future__ import annotations
@@ -140,6 +148,20 @@ def summarize(recs: list[dict], wall: float) -> dict:
             "wall_s": wall}
 
 
+def reference_records(path: str, split_index: list[int]) -> list[dict]:
+    """[{"ok"}] for each problem of split_index, from a `testbed.evaluate` JSON that
+    decoded it (its `problems` are indices in the split; without them, its problems are
+    the split's first ones)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    theirs = data.get("problems") or list(range(len(data["per_problem"])))
+    ok = {i: bool(r[0]) for i, r in zip(theirs, data["per_problem"])}
+    missing = [i for i in split_index if i not in ok]
+    if missing:
+        raise SystemExit(f"--reference-file {path}: it did not decode {len(missing)} of "
+                         f"these problems (the first: held-out problem {missing[0]})")
+    return [{"ok": ok[i]} for i in split_index]
+
+
 def paired_diff(a: list[dict], b: list[dict], seed: int = 0) -> dict:
     x = np.array([r["ok"] for r in a], float) - np.array([r["ok"] for r in b], float)
     rng = np.random.default_rng(seed)
@@ -163,8 +185,19 @@ def main() -> int:
     ap.add_argument("--families", default=None,
                     help="comma-separated families to keep (default: all of the set); "
                          "--n counts the problems kept")
+    ap.add_argument("--first", type=int, default=None,
+                    help="take the problems from the first N held-out ones (in the split's "
+                         "order), those in --families and --buckets")
+    ap.add_argument("--buckets", default=None,
+                    help="with --first: comma-separated answer-length buckets to keep "
+                         "(<=64, 65-128, 129-256, >256)")
+    ap.add_argument("--reference-file", default=None,
+                    help="a testbed.evaluate JSON of the same problems: each variant's "
+                         "paired accuracy difference against it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if (args.buckets or args.reference_file) and args.first is None:
+        ap.error("--buckets and --reference-file need --first")
 
     import asynclane_jax
     from asynclane_jax.bench.runner import run_order
@@ -178,8 +211,22 @@ def main() -> int:
     unknown = keep - set(tasks.families_of(task_set))
     if unknown:
         raise SystemExit(f"--families: {', '.join(sorted(unknown))} not in {task_set}")
-    problems = [p for p in tasks.heldout(len(tasks.families_of(task_set)) * args.n, task_set)
-                if p.family in keep][:args.n]
+    if args.first is None:
+        problems = [p for p in tasks.heldout(len(tasks.families_of(task_set)) * args.n,
+                                             task_set) if p.family in keep][:args.n]
+        split_index = None
+    else:
+        pool = tasks.split("heldout", args.first, task_set)
+        buckets = args.buckets.split(",") if args.buckets else None
+        try:
+            split_index = evaluate.select(pool, task_set, sorted(keep), buckets)[:args.n]
+        except ValueError as e:
+            raise SystemExit(f"--first/--buckets: {e}") from None
+        problems = [pool[i] for i in split_index]
+        args.n = len(problems)
+    reference = None
+    if args.reference_file:
+        reference = reference_records(args.reference_file, split_index)
     prompts = evaluate.prompts_for(problems, tok)
     bucket = max(len(p) for p in prompts)
     G = args.gen_length
@@ -207,12 +254,26 @@ def main() -> int:
         row = {"variant": label, "sampler": name, "options": opts,
                **summarize(recs[k], wall[k]), "compile_s": compile_s[k],
                f"acc_diff_vs_{variants[ref][0]}": paired_diff(recs[k], recs[ref])}
+        if reference is not None:
+            row["acc_diff_vs_file"] = paired_diff(recs[k], reference)
         rows.append(row)
     meta = {"model": args.model, "gen_length": G, "n": args.n, "batch": 1,
             "split": "heldout", "task_set": task_set, "families": sorted(keep),
-            "reference": variants[ref][0],
+            "reference": variants[ref][0], "first": args.first, "buckets": args.buckets,
+            "split_index": split_index, "reference_file": args.reference_file,
+            **({} if reference is None else {
+                "reference_file_accuracy": float(np.mean([r["ok"] for r in reference]))}),
             "command": shlex.join(["python", "experiments/asynclane_forking.py",
                                    *sys.argv[1:]])}
+    if reference is not None:
+        print(f"{args.reference_file}: {100 * np.mean([r['ok'] for r in reference]):.1f}% "
+              f"of the same {len(reference)} problems")
+        for r in rows:
+            d = r["acc_diff_vs_file"]
+            print(f"  {r['variant']}: {100 * r['accuracy']:.1f}%, {100 * d['diff']:+.1f} "
+                  f"[{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}] against it "
+                  f"(only it right {d['only_ref_right']}, only {r['variant']} right "
+                  f"{d['only_this_right']})")
     head = ("variant", "accuracy", "diff vs ref [95% CI]", "tok/s", "calls/token", "steps",
             "idle", "overlap", "forks", "refine lanes", "lifetime", "wrong: length / value")
     print(" | ".join(head))
