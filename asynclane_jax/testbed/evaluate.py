@@ -162,12 +162,12 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
 
     check_n(n, split)
     problems = tasks.split(split, n, task_set)
-    buckets_wanted = None if buckets is None else list(buckets)
+    buckets = None if buckets is None else list(buckets)
     families = None if families is None else list(families)
-    indices = select(problems, task_set, families, buckets_wanted)
+    indices = select(problems, task_set, families, buckets)
     problems = [problems[i] for i in indices]
     n = len(problems)
-    buckets = [tasks.length_bucket(tasks.answer_tokens(p)) for p in problems]
+    lengths = [tasks.length_bucket(tasks.answer_tokens(p)) for p in problems]
     prompts = prompts_for(problems, tokenizer)
     bucket = max(len(p) for p in prompts)  # one prompt shape for the whole run
     ok: list[bool] = []
@@ -175,7 +175,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     speed = SpeedTally()
     settings = {"sampler": sampler, "gen_length": gen_length, "block_length": block_length,
                 "options": sampler_options, "split": split, "task_set": task_set}
-    settings.update(families=families, buckets=buckets_wanted)
+    settings.update(families=families, buckets=buckets)
     if resume is not None:
         check_resumable(resume, settings, n)
         ok = [bool(r[0]) for r in resume["per_problem"]]
@@ -201,7 +201,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
         done = len(ok)
         result = {
             **settings, "n": done,
-            **({} if families is None and buckets_wanted is None
+            **({} if families is None and buckets is None
                else {"problems": indices[:done]}),
             "correct": int(sum(ok)), "accuracy": float(np.mean(ok)),
             "line_accuracy": _line_share(lines),
@@ -214,7 +214,7 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
                 result[f"line_accuracy_{fam}"] = _line_share([lines[i] for i in sel])
                 result[f"n_{fam}"] = len(sel)
         result["accuracy_length"] = accuracy_by(
-            ok, buckets[:done], [name for name, _, _ in tasks.LENGTH_BUCKETS])
+            ok, lengths[:done], [name for name, _, _ in tasks.LENGTH_BUCKETS])
         result["per_problem"] = [[bool(o), r, t] for o, (r, t) in zip(ok, lines)]
         result["tally"] = speed.to_dict()
         if bar is not None:
