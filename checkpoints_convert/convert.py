@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import queue
 import signal
 import sys
 import tempfile
@@ -159,34 +160,47 @@ def sigterm_as_interrupt() -> Iterator[None]:
     `__del__` (JAX registers one), where an exception cannot propagate: Python would
     print it as a traceback and carry on as if no signal had come. Inside, such an
     interrupt is sent again a moment later as SIGTERM (so that a block holding signals,
-    `integrity.signals_held`, holds it too), and raised wherever the main thread is by
-    then."""
+    `integrity.signals_held`, holds it too), by a thread started on entry, and raised
+    wherever the main thread is by then. A signal that lands in the hook that asks for
+    it again (where raising would drop it too) is asked for again instead."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt
+    requests: queue.SimpleQueue = queue.SimpleQueue()  # True: send one; None: stop
+    closed = threading.Event()
 
-    timers: list[threading.Timer] = []
+    def handler(signum, frame):
+        f = frame
+        while f is not None:
+            if f.f_code is unraisable.__code__:  # raised here, it would be dropped
+                requests.put(True)
+                return
+            f = f.f_back
+        raise KeyboardInterrupt
 
     def unraisable(info):
         if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
-            timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signal.SIGTERM))
-            timer.daemon = True
-            timers.append(timer)
-            timer.start()
+            requests.put(True)
         else:
             previous_hook(info)
 
+    def resend():
+        while requests.get() is not None:
+            if not closed.wait(REDELIVER_S):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=resend, name="sigterm-again", daemon=True)
+    sender.start()
     previous = signal.signal(signal.SIGTERM, handler)
     previous_hook = sys.unraisablehook
     sys.unraisablehook = unraisable
     try:
         yield
     finally:
-        for timer in timers:
-            timer.cancel()
+        closed.set()
+        requests.put(None)
+        sender.join(timeout=1.0)  # no signal of its own arrives after the handler is gone
         sys.unraisablehook = previous_hook
         signal.signal(signal.SIGTERM, previous)
 

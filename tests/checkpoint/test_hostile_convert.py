@@ -442,6 +442,36 @@ def test_an_interrupt_raised_where_python_drops_it_is_delivered_again(capfd):
     assert "Traceback" not in capfd.readouterr().err
 
 
+def test_a_signal_landing_in_the_redelivery_hook_is_delivered_after_it(monkeypatch):
+    """The signal can come again while the hook that asked for it still runs (a busy
+    machine starts threads slowly), where raising would drop it once more: the handler
+    then asks for it again instead of raising, and it arrives after the hook."""
+    from checkpoints_convert.convert import sigterm_as_interrupt
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    deadline = time.monotonic() + 5
+    with sigterm_as_interrupt():
+        hook, term = sys.unraisablehook, signal.getsignal(signal.SIGTERM)
+
+        class Landing:  # what the hook is given, read while a signal lands in it
+            exc_traceback = None
+
+            @property
+            def exc_type(self):
+                term(signal.SIGTERM, sys._getframe(1))  # the hook's own frame
+                return ValueError
+
+        try:
+            hook(Landing())
+        except KeyboardInterrupt:
+            pytest.fail("the handler raised inside the hook, where it would be dropped")
+        assert len(seen) == 1  # the ValueError went on to the hook before
+        with pytest.raises(KeyboardInterrupt):
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
+
+
 # --------------------------------------------------------------------------- destinations
 
 def test_dangling_symlink_destination(src, tmp_path, capsys):
