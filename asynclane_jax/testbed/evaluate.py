@@ -173,9 +173,8 @@ def evaluate(model, tokenizer=None, *, sampler: str = "vanilla", gen_length: int
     ok: list[bool] = []
     lines: list[tuple[int, int]] = []
     speed = SpeedTally()
-    settings = {"sampler": sampler, "gen_length": gen_length, "block_length": block_length,
-                "options": sampler_options, "split": split, "task_set": task_set}
-    settings.update(families=families, buckets=buckets)
+    settings = run_settings(sampler, gen_length, block_length, sampler_options, split,
+                            task_set, families, buckets)
     if resume is not None:
         check_resumable(resume, settings, n)
         ok = [bool(r[0]) for r in resume["per_problem"]]
@@ -248,6 +247,14 @@ def select(problems, task_set: str, families=None, buckets=None) -> list[int]:
     return out
 
 
+def run_settings(sampler, gen_length, block_length, options, split, task_set, families,
+                 buckets) -> dict:
+    """What a result records of the run that made it, and a resume must match."""
+    return {"sampler": sampler, "gen_length": gen_length, "block_length": block_length,
+            "options": options, "split": split, "task_set": task_set,
+            "families": families, "buckets": buckets}
+
+
 def check_resumable(previous: dict, settings: dict, n: int) -> None:
     """Raises ValueError unless `previous` is a partial result of the same settings."""
     if "per_problem" not in previous or "tally" not in previous:
@@ -318,10 +325,8 @@ def main(argv=None):
     if args.resume and os.path.exists(args.out):
         with open(args.out) as f:
             previous = json.load(f)
-        settings = {"sampler": args.sampler, "gen_length": args.gen_length,
-                    "block_length": args.block_length, "options": options,
-                    "split": args.split, "task_set": task_set,
-                    "families": families, "buckets": buckets}
+        settings = run_settings(args.sampler, args.gen_length, args.block_length, options,
+                                args.split, task_set, families, buckets)
         try:
             if previous.get("model") != args.model:
                 raise ValueError(f"it is of model {previous.get('model')!r}")
