@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
             if name in compile_cache.CACHED_COMMANDS:
                 compile_cache.add_flag(sub.choices[name])
             _add_compact_flag(sub.choices[name])
+            _add_mixed_flag(sub.choices[name])
     return parser
 
 
@@ -122,14 +123,33 @@ def _add_compact_flag(parser) -> None:
         pass
 
 
+def _add_mixed_flag(parser) -> None:
+    """`--mixed-calls` / `--no-mixed-calls` on every decoding command (once)."""
+    try:
+        parser.add_argument(
+            "--mixed-calls", action=argparse.BooleanOptionalAction, default=None,
+            help="at batch > 1, rows due a full forward are served in the same model call "
+                 "as the other rows' cached queries, so none waits (on by default for the "
+                 "samplers that can: asynclane, and the block samplers with row_refresh); "
+                 "--no-mixed-calls gives each iteration one kind of call")
+    except argparse.ArgumentError:
+        pass
+
+
 def apply_compact_flag(args) -> None:
-    """Sets the driver's compaction switch from `--compact-full` / `--no-compact-full`;
-    unchanged when the command line names neither."""
+    """Sets the driver's compaction and mixing switches from `--compact-full` /
+    `--no-compact-full` and `--mixed-calls` / `--no-mixed-calls`; each unchanged when
+    the command line names neither."""
     on = getattr(args, "compact_full", None)
     if on is not None:
         from asynclane_jax.decoding import driver
 
         driver.COMPACT_FULL["on"] = bool(on)
+    mixed = getattr(args, "mixed_calls", None)
+    if mixed is not None:
+        from asynclane_jax.decoding import driver
+
+        driver.MIXED_CALLS["on"] = bool(mixed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -389,6 +389,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run, at most")
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                     help="the load's HTTP client (aiohttp takes less of the machine's CPU)")
+    ap.add_argument("--mixed-calls", action=argparse.BooleanOptionalAction, default=True,
+                    help="the server's and the baselines' decodes mix their calls (the "
+                         "driver's default); --no-mixed-calls for both, to compare")
     ap.add_argument("--out", default=str(RESULTS / "serve"), help="results stem (.md, .json)")
     ap.add_argument("--note", default="", help="a sentence for the results (e.g. what else "
                     "ran on the machine)")
@@ -406,7 +409,11 @@ def main() -> int:
            "--host", "127.0.0.1", "--port", str(port), "--slots", str(args.slots),
            "--max-tokens", str(args.max_tokens), "--chunk", str(args.chunk),
            "--max-prompt", str(args.max_prompt),
-           "--queue", str(max(64, n_prompts)), "--log-level", "warning"]
+           "--queue", str(max(64, n_prompts)), "--log-level", "warning",
+           "--mixed-calls" if args.mixed_calls else "--no-mixed-calls"]
+    from asynclane_jax.decoding import driver
+
+    driver.MIXED_CALLS["on"] = args.mixed_calls
     t0 = time.perf_counter()
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     rows, all_runs = [], []

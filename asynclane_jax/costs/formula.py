@@ -220,8 +220,8 @@ def check_shape(shape: CallShape) -> CallShape:
         raise CostError(f"{shape}: logits must be zero or more")
     if shape.keys > shape.canvas or shape.queries > shape.canvas:
         raise CostError(f"{shape}: queries and keys are at most the canvas")
-    if shape.kind == "cached" and not shape.cache:
-        raise CostError(f"{shape}: a cached call has a cache")
+    if shape.kind in ("cached", "mixed") and not shape.cache:
+        raise CostError(f"{shape}: a {shape.kind} call has a cache")
     if not shape.cache and shape.keys != shape.queries:
         raise CostError(f"{shape}: without a cache the queries attend to themselves "
                         "(keys == queries)")
@@ -333,6 +333,8 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16",
     shape = check_shape(shape)
     if last_layer not in LAST_LAYER:
         raise CostError(f"last_layer={last_layer!r}: expected one of {LAST_LAYER}")
+    if shape.kind == "mixed":
+        return _mixed_cost(cfg, shape, weights, last_layer)
     L, d, m, V = cfg.n_layers, cfg.d_model, cfg.mlp_hidden, cfg.vocab_size
     qw, kvw = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     act = cfg.jnp_dtype.itemsize  # activations and the K/V cache
@@ -393,6 +395,38 @@ def call_cost(cfg: ModelConfig, shape: CallShape, weights: str = "bf16",
         experts_read=ff.experts_read, flops_experts=ff.flops_experts,
         bytes_experts=ff.bytes_experts,
     )
+
+
+# The CallCost fields that are weight bytes: a mixed call reads them once for both parts.
+_WEIGHT_FIELDS = ("bytes_qo", "bytes_kv", "bytes_mlp", "bytes_head")
+
+
+def _mixed_cost(cfg: ModelConfig, shape: CallShape, weights: str, last_layer: str) -> CallCost:
+    """A mixed call (`CallShape.parts`: a full forward over some rows and a cached call
+    of others, `DiffusionLM.forward_mixed`): the two parts' arithmetic, activations,
+    cache traffic and all-reduce payloads added, their weights read once."""
+    if cfg.is_moe:
+        raise CostError(f"{shape}: mixed calls are priced for dense configs only (a "
+                        "mixture-of-experts call's experts depend on its tokens together)")
+    full, cached = (call_cost(cfg, p, weights, last_layer) for p in shape.parts())
+    fields = {}
+    for f in dataclasses.fields(CallCost):
+        a, b = getattr(full, f.name), getattr(cached, f.name)
+        if f.name in _WEIGHT_FIELDS:
+            fields[f.name] = max(a, b)
+        elif f.name == "bytes_other":  # the norms once; the embedding rows of both parts
+            norms = (2 * cfg.n_layers + 1) * cfg.d_model * cfg.jnp_param_dtype.itemsize
+            fields[f.name] = a + b - norms
+        elif f.name == "allreduces":
+            fields[f.name] = max(a, b)
+        elif isinstance(a, (int, float)) and f.name not in (
+                "layers", "heads", "kv_heads", "mlp_hidden", "vocab", "moe_layers",
+                "experts"):
+            fields[f.name] = a + b
+        else:
+            fields[f.name] = a
+    fields["shape"] = shape
+    return CallCost(**fields)
 
 
 __all__ = ["CallCost", "INDEX_BYTES", "LAST_LAYER", "SCALE_BYTES", "WEIGHT_BYTES", "call_cost",

@@ -140,7 +140,13 @@ class MeasuredCosts:
         self.times: dict[CallShape, float] = {}
 
     def call_time(self, shape: CallShape) -> float:
-        """Seconds of one call of `shape` on this machine (measured on first use)."""
+        """Seconds of one call of `shape` on this machine (measured on first use). A
+        mixed call is priced as its two parts (`CallShape.parts`) made one after the
+        other: on this CPU a call's time is its arithmetic, which the mixed call does
+        in full for both parts (the pass over the weights it saves is what a
+        weight-bound chip gains, and the roofline prices)."""
+        if shape.kind == "mixed":
+            return sum(self.call_time(p) for p in shape.parts())
         if shape not in self.times:
             self.times[shape] = measure_call(self.model, shape, self.repeat)
         return self.times[shape]
@@ -150,7 +156,8 @@ class MeasuredCosts:
         rounds (one timed run of each shape per round, the median per shape kept).
         A busy spell of a shared machine lasts longer than one shape's few runs: in
         rounds it falls on a run of every shape rather than on all runs of one."""
-        todo = [s for s in dict.fromkeys(shapes) if s not in self.times]
+        parts = [p for s in shapes for p in s.parts()]
+        todo = [s for s in dict.fromkeys(parts) if s not in self.times]
         timers = {s: _timer(self.model, s, CALLS_PER_RUN) for s in todo}
         runs: dict[CallShape, list[float]] = {s: [] for s in todo}
         for _ in range(max(1, int(self.repeat))):

@@ -465,7 +465,7 @@ def fresh_columns(ctx: Context, gen, new, lanes: LaneState, out: CallOutput):
     # A query at column c encodes c (the target c + shift is what it predicts).
     enc = jnp.where(out.targets < T, out.targets - ctx.shift - P, G)
     encoded = jnp.zeros((ctx.batch, G), bool).at[rows, enc].set(True, mode="drop")
-    encoded = jnp.where(out.full, True, encoded) & out.serve[:, None]
+    encoded = jnp.where(jnp.reshape(out.full, (-1, 1)), True, encoded) & out.serve[:, None]
     return (lanes.fresh | encoded) & (new == gen)
 
 
@@ -559,6 +559,7 @@ class AsyncLaneSchedule(Schedule):
     under_study: ClassVar[bool] = True
     # A refresh serves only the rows due one: the driver computes only those.
     compact_full: ClassVar[bool] = True
+    mixes_calls: ClassVar[bool] = True
     footing_options: ClassVar[tuple[str, ...]] = ("cascade",)
     # Per-row arguments of the program (schedule.py): rows at different thresholds
     # decode in one program.
@@ -723,6 +724,8 @@ class AsyncLaneSchedule(Schedule):
         positions = jnp.concatenate(parts, axis=1).astype(jnp.int32)
         need = live & st.need_full
         full = jnp.any(need)
+        if ctx.mixed:  # each row's call of its own kind, in one model call
+            return Plan(positions=positions, full=full, serve=live, full_rows=need)
         return Plan(positions=positions, full=full, serve=jnp.where(full, need, live))
 
     def update(self, ctx: Context, canvas, st: LaneState, out: CallOutput, key):

@@ -159,6 +159,12 @@ class BlockSchedule(Schedule):
     def uses_cache(self) -> bool:
         return self.cache != "none"
 
+    @property
+    def mixes_calls(self) -> bool:  # Schedule.mixes_calls, per instance
+        # With row_refresh a row entering a block is refreshed in the same call as the
+        # others' cached queries, rather than making them wait (driver: `mixing`).
+        return self.row_refresh
+
     def max_iterations(self) -> int:
         # Every served iteration commits at least one token; with a cache a row may also
         # wait while its batch mates finish their blocks (at most G iterations in all).
@@ -243,14 +249,23 @@ class BlockSchedule(Schedule):
         if not self.uses_cache:
             return Plan(positions=full_q, full=jnp.asarray(True), serve=live)
         need = live & (state.step_in_block == 0)
+        if ctx.mixed:  # row refresh, each row's call of its own kind in one model call
+            cached_q = cols if self.cache == "dual" else self._prefix_queries(cols, Q, T)
+            return Plan(positions=jnp.where(need[:, None], full_q, cached_q),
+                        full=jnp.any(need), serve=live, full_rows=need)
         refresh = jnp.any(need) if self.row_refresh else jnp.all(need | ~live)
         if self.cache == "dual":
             cached_q = cols
         else:  # prefix: the block start to the canvas end
-            cached_q = cols[:, :1] + jnp.arange(Q, dtype=jnp.int32)[None, :]
-            cached_q = jnp.where(cached_q < T, cached_q, T)
+            cached_q = self._prefix_queries(cols, Q, T)
         return Plan(positions=jnp.where(refresh, full_q, cached_q), full=refresh,
                     serve=jnp.where(refresh, need, live & ~need))
+
+    @staticmethod
+    def _prefix_queries(cols, Q: int, T: int):
+        """[b, Q] the prefix cache's queries: the block's start to the canvas end."""
+        q = cols[:, :1] + jnp.arange(Q, dtype=jnp.int32)[None, :]
+        return jnp.where(q < T, q, T)
 
     def update(self, ctx: Context, canvas, state: BlockState, out: CallOutput, key):
         b, B, T, P = ctx.batch, self.block_length, ctx.length, ctx.prompt_len

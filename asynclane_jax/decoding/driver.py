@@ -52,7 +52,7 @@ from asynclane_jax.decoding.schedule import (
     attention_layout,
 )
 from asynclane_jax.decoding.stats import MAX_CALL_SHAPES, CallShape
-from asynclane_jax.models.model import KVCache
+from asynclane_jax.models.model import CallPart, KVCache
 
 # Incremented each time the loop is traced; tests read it.
 TRACE_COUNT = {"decode": 0}
@@ -62,6 +62,11 @@ TRACE_COUNT = {"decode": 0}
 # is traced, and part of `compiled_decode`'s key; the decoding commands' `--no-compact-full`
 # turns it off (for the memory), as a test or a measurement does to compare.
 COMPACT_FULL = {"on": True}
+# Whether a decode whose schedule `mixes_calls` serves the rows due a full forward in
+# the same model call as the others' cached queries (`Plan.full_rows`,
+# `DiffusionLM.forward_mixed`), where the driver can (`mixing`). Read when a decode is
+# traced, and part of `compiled_decode`'s key; a measurement turns it off to compare.
+MIXED_CALLS = {"on": True}
 
 
 @struct.dataclass
@@ -86,6 +91,22 @@ class DecodeState:
     sched: Any  # the schedule's own state
 
 
+def mix_buckets(b: int) -> tuple[int, ...]:
+    """The row counts s (1, 2, 4, ..., at most half of b rows) of a compacted full
+    forward, or of a mixed call's full part."""
+    return tuple(1 << i for i in range(b.bit_length()) if 2 * (1 << i) <= b)
+
+
+def mixing(schedule: Schedule, cfg, b: int, blocks) -> bool:
+    """Whether a decode of b rows mixes its calls: the schedule can
+    (`Schedule.mixes_calls`) and caches, MIXED_CALLS is on, the batch has room for a
+    full part (b >= 2), the attention is bidirectional (blocks: the decode's
+    `attention_layout`, None) and no sharding plan is active (a mixed call's tokens are
+    one flat sequence, which no batch axis splits)."""
+    return bool(schedule.mixes_calls and schedule.uses_cache and MIXED_CALLS["on"]
+                and b >= 2 and blocks is None and sharding.active() is None)
+
+
 def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,
                  traced=None) -> Context:
     b, T = canvas_shape
@@ -94,6 +115,8 @@ def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,
                   eos_id=cfg.eos_token_id, stop_ids=tuple(cfg.stop_token_ids),
                   pad_len=pad_len, operands=operands, traced=traced)
     blocks, own = attention_layout(schedule, cfg, ctx)
+    if mixing(schedule, cfg, b, blocks):
+        ctx = dataclasses.replace(ctx, mixed=True)
     if own and blocks is not None and schedule.gated_commits:
         P = ctx.prompt_len
         cols = jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -126,6 +149,11 @@ def check_plan(schedule: Schedule, plan: Plan, b: int, where: str = "plan") -> N
         chex.assert_shape(plan.logits_at, (b, None),
                           custom_message=f"{msg}.logits_at is [b, n]")
         chex.assert_type(plan.logits_at, int, custom_message=f"{msg}.logits_at holds indices")
+    if plan.full_rows is not None:
+        chex.assert_shape(plan.full_rows, (b,), custom_message=f"{msg}.full_rows is [b]")
+        chex.assert_type(plan.full_rows, bool, custom_message=f"{msg}.full_rows is a bool mask")
+        if plan.full_read is not None:
+            raise SamplerError(f"{msg}: full_rows and full_read do not go together")
     if plan.full_read is not None:
         chex.assert_shape(plan.full_read, (b, None),
                           custom_message=f"{msg}.full_read is [b, m]")
@@ -319,7 +347,7 @@ class ModelCalls:
         if not (self.use_cache and self.schedule.compact_full and COMPACT_FULL["on"]) or (
                 plan is not None and plan.batch_multiple > 1):
             return ()
-        return tuple(1 << i for i in range(b.bit_length()) if 2 * (1 << i) <= b)
+        return mix_buckets(b)
 
     def full_rows(self, st: DecodeState, read, serve, attended):
         """The full forward over all b rows (only the served rows' cache written)."""
@@ -360,6 +388,71 @@ class ModelCalls:
             cache=cache, nfe_full=st.nfe_full + 1,
             tokens_processed=st.tokens_processed + jnp.minimum(self.n_live, s) * T,
             row_full=st.row_full + serve), shape, serve, attended)
+
+    def by_kind(self, st: DecodeState, plan: Plan, serve):
+        """The call of a plan with `full_rows` (a decode that mixes): a cached call when
+        no served row is due a full forward; a full forward when every served row is;
+        otherwise one mixed call (`mixed`) with a full part of the smallest bucket that
+        holds the rows due one. When more rows are due a full forward than the largest
+        bucket holds, they get a full forward and the others wait this iteration, as
+        without mixing. Returns (logits, state, the rows served, the rows whose call was
+        a full forward)."""
+        due = plan.full_rows & serve
+        n_full, n_cached = jnp.sum(due), jnp.sum(serve & ~due)
+        buckets = mix_buckets(due.shape[0])
+        wait = (n_full > buckets[-1]) & (n_cached > 0)
+        serve = jnp.where(wait, due, serve)
+        as_full = plan.replace(full=jnp.asarray(True))
+        out = self.no_logits(plan)
+        out, st = run_if(n_full == 0, lambda s: self.cached(s, plan, serve), st, out)
+        out, st = run_if((n_full > 0) & ((n_cached == 0) | wait),
+                         lambda s: self.full_over(s, as_full, serve), st, out)
+        lo = 0
+        for s in buckets:
+            out, st = run_if((n_full > lo) & (n_full <= s) & (n_cached > 0),
+                             functools.partial(self.mixed, plan=plan, serve=serve, due=due,
+                                               s=s), st, out)
+            lo = s
+        return out, st, serve, due
+
+    def mixed(self, st: DecodeState, *, plan: Plan, serve, due, s: int):
+        """One model call (`DiffusionLM.forward_mixed`): a full forward over the canvases
+        of the rows `due` one (at most s, gathered into s rows, their cache rows written
+        whole) and the planned cached call of the other served rows. Counted as one call
+        of the "mixed" shape."""
+        T = self.T
+        read = jnp.minimum(self.query_reads(plan), T - 1)
+        b, n_read = read.shape
+        Q = plan.positions.shape[1]
+        idx = jnp.nonzero(due, size=s, fill_value=b)[0]  # [s]; b: an empty slot
+        rows = jnp.minimum(idx, b - 1)  # an empty slot computes a copy, then dropped
+        full = CallPart(tokens=st.canvas[rows], positions=self.positions[rows],
+                        key_mask=self.key_mask[rows], rows=idx,
+                        write_index=jnp.broadcast_to(self.cols, (s, T)),
+                        logits_index=read[rows])
+        cached_rows = serve & ~due
+        valid = plan.positions < T
+        cols = jnp.minimum(plan.positions, T - 1)
+        part = CallPart(tokens=jnp.take_along_axis(st.canvas, cols, axis=1),
+                        positions=jnp.take_along_axis(self.positions, cols, axis=1),
+                        key_mask=self.key_mask, rows=jnp.arange(b, dtype=jnp.int32),
+                        write_index=jnp.where(valid & cached_rows[:, None], plan.positions,
+                                              T),
+                        logits_index=None if plan.logits_at is None else
+                        jnp.minimum(plan.logits_at, Q - 1))
+        (logits_full, logits), cache = self.model.forward_mixed((full, part), st.cache)
+        logits = self.pad_reads(logits, plan, 0.0)
+        placed = jnp.zeros_like(logits).at[idx].set(logits_full, mode="drop")
+        logits = jnp.where(due[:, None, None], placed, logits)
+        n_logits = Q if plan.logits_at is None else plan.logits_at.shape[1]
+        shape = CallShape("mixed", b, Q, T, n_logits, True, T, full_rows=s)
+        attended = jnp.sum(self.key_mask, axis=1)
+        n = jnp.sum(valid & cached_rows[:, None]).astype(jnp.int32)
+        return logits, self.count(st.replace(
+            cache=cache, nfe_full=st.nfe_full + 1,
+            tokens_processed=st.tokens_processed + jnp.minimum(self.n_live, s) * T + n,
+            row_full=st.row_full + due, row_partial=st.row_partial + cached_rows),
+            shape, serve, attended)
 
     def cached(self, st: DecodeState, plan: Plan, serve):
         """The planned columns against the K/V of the whole canvas."""
@@ -459,8 +552,14 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, trac
     def step(st: DecodeState, plan: Plan, where: str = "plan"):
         """One call and its update: (state, the tap's extra or None)."""
         check_plan(schedule, plan, b, where)
+        if ctx.mixed != (plan.full_rows is not None):
+            raise SamplerError(f"{schedule.name}.{where}: a plan gives full_rows exactly "
+                               f"when the decode mixes its calls (ctx.mixed={ctx.mixed})")
         serve = plan.serve & ~st.finished
-        if use_cache:
+        full = jnp.asarray(plan.full)
+        if ctx.mixed:
+            logits, st, serve, full = calls.by_kind(st, plan, serve)
+        elif use_cache:
             logits, st = branch(plan.full, lambda s: calls.full_over(s, plan, serve),
                                 lambda s: calls.cached(s, plan, serve), st,
                                 calls.no_logits(plan))
@@ -469,8 +568,7 @@ def build_loop(graphdef, params, canvas, pad_len, live, rng, operands=None, trac
         # The output at column q predicts column q + shift (Dream), in every call.
         cols = calls.read_columns(plan)
         targets = jnp.where(cols < T, cols + ctx.shift, T)
-        out = CallOutput(logits=logits, targets=targets, serve=serve,
-                         full=jnp.asarray(plan.full))
+        out = CallOutput(logits=logits, targets=targets, serve=serve, full=full)
         key = jax.random.fold_in(st.rng, st.step)
         if tap is None:
             (canvas, sched), extra = schedule.update(ctx, st.canvas, st.sched, out, key), None
@@ -766,7 +864,7 @@ def compiled_decode(graphdef, params, canvas, pad_len, live, rng, operands=None,
     """
     structure = schedule.structure()
     traced = _place_traced(traced_arrays(schedule, canvas.shape[0]), plan)
-    key = (graphdef, structure, plan, COMPACT_FULL["on"],
+    key = (graphdef, structure, plan, COMPACT_FULL["on"], MIXED_CALLS["on"],
            _abstract_key((params, canvas, pad_len, live, rng, operands, traced)))
     exe = PROGRAMS.get(key)
     compiled = exe is None

@@ -66,6 +66,12 @@ class Plan:
     # reads; the call's logits are then max(m, n) wide, the narrower kind padded. None:
     # a full forward reads what a cached call would.
     full_read: jax.Array | None = None
+    # [b] bool or None: with `ctx.mixed` (a schedule that `mixes_calls`), the rows due a
+    # full forward over their canvas; the other served rows get the cached call of their
+    # planned queries in the same model call (`DiffusionLM.forward_mixed`), so no row
+    # waits for another's full forward. Each row's `positions` are then those of its own
+    # kind, and `full` is not read. None: the call is of one kind, `full`.
+    full_rows: jax.Array | None = None
 
 
 @struct.dataclass
@@ -75,7 +81,9 @@ class CallOutput:
     logits: jax.Array  # [b, n, V] float32; row i predicts column targets[:, i]
     targets: jax.Array  # [b, n] int32 column predicted by each row (T: none)
     serve: jax.Array  # [b] bool, the plan's rows (finished rows removed)
-    full: jax.Array  # [] bool, the plan's call kind
+    # [] bool, the plan's call kind; [b] bool for a plan with full_rows: the rows whose
+    # call was a full forward.
+    full: jax.Array
 
     def at(self, cols):
         """Logits predicting the canvas columns cols [b, n].
@@ -155,6 +163,9 @@ class Context:
     # generated position 0 (0 when the generation starts a block). A block schedule
     # starts its blocks there, so that they follow the model's (block.py).
     commit_lead: Any = None
+    # Whether this decode mixes calls (`Schedule.mixes_calls`, and the driver can:
+    # `driver.mixing`): the schedule's plans then give `Plan.full_rows`.
+    mixed: bool = False
 
     @property
     def length(self) -> int:  # T = P + G
@@ -210,6 +221,10 @@ class Schedule:
     # others' cache kept as it is, their logits arbitrary): right for a schedule whose
     # update reads nothing of a row it does not serve (driver.py: `compact_buckets`).
     compact_full: ClassVar[bool] = False
+    # Whether the schedule can plan mixed calls (`Plan.full_rows`: rows due a full
+    # forward served in the same model call as the others' cached queries). The driver
+    # turns it on for a decode (`ctx.mixed`) where it can (`driver.mixing`).
+    mixes_calls: ClassVar[bool] = False
     # Options whose values change no shape and no Python branch of the program (float
     # thresholds): the driver passes them per row as [b] float32 arguments
     # (`ctx.traced`), they are left out of the compiled program's key (`structure`), and

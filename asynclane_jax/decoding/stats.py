@@ -8,7 +8,7 @@ import numpy as np
 
 # The most distinct call shapes one compiled decode may make (the size of its counters).
 MAX_CALL_SHAPES = 16
-CALL_KINDS = ("full", "cached")
+CALL_KINDS = ("full", "cached", "mixed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,12 @@ class CallShape:
       logits: columns per row whose output head is computed.
       cache: whether the call writes its K/V into a cache (and, cached, reads it).
       canvas: T, the canvas length of the decode.
+      full_rows: "mixed" only: the rows of its full-forward part. A mixed call is a
+        cached call of `rows` rows (those it serves by the cached call, the others'
+        queries computed and dropped) and a full forward over the whole canvas of
+        `full_rows` other rows, in one pass over the weights
+        (`DiffusionLM.forward_mixed`); its logits are `logits` columns per row of
+        both parts.
     """
 
     kind: str
@@ -41,17 +47,34 @@ class CallShape:
     logits: int
     cache: bool
     canvas: int
+    full_rows: int = 0
 
     def __post_init__(self):
         if self.kind not in CALL_KINDS:
             raise ValueError(f"call kind {self.kind!r}: expected one of {CALL_KINDS}")
+        if (self.kind == "mixed") != (self.full_rows > 0):
+            raise ValueError(f"{self}: a mixed call, and only one, has full_rows")
+
+    def parts(self) -> tuple[CallShape, ...]:
+        """The calls a call of this shape does the work of: a mixed call's full forward
+        (`full_rows` rows over the canvas, as many logits) and cached call; any other
+        call itself."""
+        if self.kind != "mixed":
+            return (self,)
+        T = self.canvas
+        return (CallShape("full", self.full_rows, T, T, self.logits, True, T),
+                dataclasses.replace(self, kind="cached", full_rows=0))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.full_rows:  # the fields of a full or cached call, as before mixed calls
+            del out["full_rows"]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> CallShape:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)
+                      if f.name in d or f.default is dataclasses.MISSING})
 
 
 @dataclasses.dataclass
@@ -64,7 +87,9 @@ class DecodeStats:
       sampler: the sampler's name; options: its settings.
       steps: iterations of the slowest row; row_steps: [b] iterations serving each row.
       iterations: loop iterations (a batch runs as long as its slowest row).
-      nfe, nfe_full, nfe_partial: model calls (full forwards, cached calls), per batch.
+      nfe, nfe_full, nfe_partial: model calls (full forwards, cached calls), per batch;
+        a mixed call (a full forward of some rows and a cached call of the others in
+        one call) counts in nfe_full.
       row_nfe_full, row_nfe_partial: [b] calls that served each row.
       tokens_processed: query positions fed to the model, summed over rows.
       commit_step: [b, G] the row iteration that committed each generated position.

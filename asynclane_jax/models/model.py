@@ -682,6 +682,27 @@ class KVCache:
                        self.v.at[layer, rows, index].set(v.astype(self.v.dtype), mode="drop"))
 
 
+@struct.dataclass
+class CallPart:
+    """One part of a mixed call (`DiffusionLM.forward_mixed`): some rows' queries, each
+    row a row of the cache.
+
+    tokens, positions: [r, Q] the queries' token ids and RoPE positions.
+    key_mask: [r, T] bool, False for keys the row must not attend (padding).
+    rows: [r] int32 the cache row of each row (>= the cache's rows: a row whose K/V are
+      dropped and whose output is not used).
+    write_index: [r, Q] int32 the canvas column of each query (>= T: dropped).
+    logits_index: [r, n] int32 the queries whose logits are computed; None: all.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    key_mask: jax.Array
+    rows: jax.Array
+    write_index: jax.Array
+    logits_index: jax.Array | None = None
+
+
 def check_call(tokens, positions, key_mask, cache, write_index, logits_index) -> None:
     """Trace-time shape and dtype checks of a model call's arguments (see `forward`)."""
     chex.assert_rank(tokens, 2, custom_message="forward: tokens are [b, Q]")
@@ -892,6 +913,97 @@ class DiffusionLM(nnx.Module):
                             write_index=write_index, block_ids=block_ids)
 
 
+    def _over_layers(self, fn, carry):
+        """carry = fn(block, index, carry) for every layer in order, in either layer
+        layout (stacked: one `jax.lax.scan` per stack, each step merging its layer's
+        parameters, as `_scan` does)."""
+        if not self.cfg.scan_layers:
+            for i, layer in enumerate(self.layers):
+                carry = fn(layer, i, carry)
+            return carry
+        for stack, first, stop in self.cfg.layer_stacks():
+            block = self.layers if stack is None else getattr(self.layers, stack)
+            block_def, stacked = nnx.split(block)
+
+            def body(c, index, block_def=block_def, stacked=stacked, first=first):
+                layer = nnx.merge(block_def, jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, index - first, keepdims=False),
+                    stacked))
+                return fn(layer, index, c), None
+
+            carry = jax.lax.scan(body, carry, jnp.arange(first, stop, dtype=jnp.int32))[0]
+        return carry
+
+    def forward_mixed(self, parts: tuple[CallPart, ...], cache: KVCache):
+        """One call over parts of different shapes against one K/V cache: e.g. a full
+        forward over some rows' whole canvases (Q = T) with a cached call of the other
+        rows' queries. Every layer runs its projections and MLP over all the parts'
+        tokens together (one pass over the weights: on a weight-bound chip the call
+        costs about what its larger part alone would), then each part writes its
+        queries' K/V into its rows of the cache and attends to those rows. A row's
+        output is what `forward` with the cache gives it alone: rows never see each
+        other, and parts must not share a cache row.
+
+        Bidirectional attention only (no block ids, no key bound), one device's rows:
+        the parts' tokens are one flat sequence, which no batch sharding splits.
+
+        Args:
+          parts: the CallParts, each [r_i, Q_i].
+          cache: KVCache [L, b, T, K, h].
+        Returns:
+          (per part, logits [r_i, n_i or Q_i, V] float32; the updated cache).
+        """
+        for p in parts:
+            check_call(p.tokens, p.positions, p.key_mask, None, None, p.logits_index)
+            chex.assert_equal_shape([p.tokens, p.write_index],
+                                    custom_message="forward_mixed: write_index is [r, Q]")
+        sizes = [p.tokens.size for p in parts]
+        shapes = [p.tokens.shape for p in parts]
+
+        def flat(arrays):  # [r_i, Q_i, ...] -> [1, sum r_i Q_i, ...]
+            return jnp.concatenate([a.reshape(1, -1, *a.shape[2:]) for a in arrays], axis=1)
+
+        def split(a):  # the inverse of flat
+            out, at = [], 0
+            for n, shape in zip(sizes, shapes):
+                out.append(a[:, at:at + n].reshape(*shape, *a.shape[2:]))
+                at += n
+            return out
+
+        embed = self.embed[...]
+        x = flat([jnp.take(embed, p.tokens, axis=0) for p in parts]).astype(self.cfg.jnp_dtype)
+        rots = [rope_tables(p.positions, self.cfg.rope_dim, self.cfg.rope_theta) for p in parts]
+        rot = (flat([c for c, _ in rots]), flat([s for _, s in rots]))
+        impl = self.attention_implementation
+        b = cache.k.shape[1]
+
+        def layer(block, index, carry):
+            x, cache = carry
+            q, k, v = block.qkv(x, rot)
+            qs, ks, vs = split(q), split(k), split(v)
+            for p, kp, vp in zip(parts, ks, vs):
+                cache = cache.write(index, p.rows[:, None], p.write_index, kp, vp)
+            outs = []
+            for p, qp in zip(parts, qs):
+                rows = jnp.minimum(p.rows, b - 1)
+                outs.append(attention(qp, cache.k[index][rows], cache.v[index][rows],
+                                      key_mask=p.key_mask, implementation=impl))
+            h = x + block.attn.out(flat(outs))
+            return h + block.mlp(block.mlp_norm(h)), cache
+
+        x, cache = self._over_layers(layer, (x, cache))
+        reads = [xp if p.logits_index is None else
+                 jnp.take_along_axis(xp, p.logits_index[:, :, None], axis=1)
+                 for p, xp in zip(parts, split(x))]
+        logits = self._logits(flat(reads)).astype(jnp.float32)
+        out, at = [], 0
+        for r in reads:
+            n = r.shape[0] * r.shape[1]
+            out.append(logits[:, at:at + n].reshape(r.shape[0], r.shape[1], -1))
+            at += n
+        return out, cache
+
+
 def init_model(cfg: ModelConfig, seed: int = 0) -> DiffusionLM:
     """A randomly initialised model."""
     return DiffusionLM(cfg, rngs=nnx.Rngs(seed))
@@ -911,6 +1023,6 @@ def param_stats(cfg: ModelConfig) -> dict:
             "bytes_f32": int(n) * 4}
 
 
-__all__ = ["DiffusionLM", "KVCache", "LayerStacks", "init_model", "abstract_model",
+__all__ = ["CallPart", "DiffusionLM", "KVCache", "LayerStacks", "init_model", "abstract_model",
            "param_stats", "rope", "attention", "stack_blocks", "layer_layout", "stack_layer_params",
            "unstack_layer_params"]

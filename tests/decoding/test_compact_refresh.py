@@ -1,6 +1,7 @@
 """Compacted full forwards (driver.py, `ModelCalls.compact_buckets`): a full forward
 that serves at most half the batch computes only the served rows, gathered into the
-smallest bucket of 1, 2, 4, ... rows. Rows decode exactly as they do without it."""
+smallest bucket of 1, 2, 4, ... rows. Rows decode exactly as they do without it. (With
+mixed calls off: there a full forward's rows are a part of a mixed call.)"""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def compaction(on: bool):
         yield
     finally:
         driver.COMPACT_FULL["on"] = saved
+
+
+@pytest.fixture(autouse=True)
+def one_call_kind_per_iteration():
+    """These tests count full forwards by the rows they compute: mixed calls (each
+    row's call of its own kind, test_mixed_calls.py) off."""
+    saved = driver.MIXED_CALLS["on"]
+    driver.MIXED_CALLS["on"] = False
+    try:
+        yield
+    finally:
+        driver.MIXED_CALLS["on"] = saved
 
 
 @pytest.fixture(scope="module")
