@@ -282,13 +282,14 @@ def projected_markdown(rows: list[dict], base: dict, ceiling: dict) -> list[str]
              "shares the two cores with the decode. Also left out: the chunk program's own "
              "work between calls (admission, the cache rows zeroed, a state moved between "
              "slot counts).", "",
-             "| run | clients | model calls (full + cached) | " +
+             "| run | clients | model calls (full + mixed + cached) | " +
              " | ".join(f"{c} requests/s" for c in chips) + " |",
              "|" + "---|" * (3 + len(chips))]
     for r in rows:
         full = sum(c["calls"] for c in r["calls"] if c["kind"] == "full")
         cached = sum(c["calls"] for c in r["calls"] if c["kind"] == "cached")
-        lines.append(f"| {r['run']} | {r['clients'] or '-'} | {full} + {cached} | " +
+        mixed = sum(c["calls"] for c in r["calls"] if c["kind"] == "mixed")
+        lines.append(f"| {r['run']} | {r['clients'] or '-'} | {full} + {mixed} + {cached} | " +
                      " | ".join(f"{r['projected'][c]:.2f}" for c in chips) + " |")
     served = {r["clients"]: r for r in rows if r["clients"]}
     lines += ["", "| clients | reference | " + " | ".join(chips) + " | target |",

@@ -100,11 +100,13 @@ def mix_buckets(b: int) -> tuple[int, ...]:
 def mixing(schedule: Schedule, cfg, b: int, blocks) -> bool:
     """Whether a decode of b rows mixes its calls: the schedule can
     (`Schedule.mixes_calls`) and caches, MIXED_CALLS is on, the batch has room for a
-    full part (b >= 2), the attention is bidirectional (blocks: the decode's
+    full part (b >= 2), the model is dense (a mixture of experts routes the parts'
+    tokens together), the attention is bidirectional (blocks: the decode's
     `attention_layout`, None) and no sharding plan is active (a mixed call's tokens are
     one flat sequence, which no batch axis splits)."""
     return bool(schedule.mixes_calls and schedule.uses_cache and MIXED_CALLS["on"]
-                and b >= 2 and blocks is None and sharding.active() is None)
+                and b >= 2 and not cfg.is_moe and blocks is None
+                and sharding.active() is None)
 
 
 def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,
@@ -427,15 +429,15 @@ class ModelCalls:
         idx = jnp.nonzero(due, size=s, fill_value=b)[0]  # [s]; b: an empty slot
         rows = jnp.minimum(idx, b - 1)  # an empty slot computes a copy, then dropped
         full = CallPart(tokens=st.canvas[rows], positions=self.positions[rows],
-                        key_mask=self.key_mask[rows], rows=idx,
-                        write_index=jnp.broadcast_to(self.cols, (s, T)),
+                        key_mask=self.key_mask[rows],
+                        write_index=jnp.broadcast_to(self.cols, (s, T)), rows=idx,
                         logits_index=read[rows])
         cached_rows = serve & ~due
         valid = plan.positions < T
         cols = jnp.minimum(plan.positions, T - 1)
         part = CallPart(tokens=jnp.take_along_axis(st.canvas, cols, axis=1),
                         positions=jnp.take_along_axis(self.positions, cols, axis=1),
-                        key_mask=self.key_mask, rows=jnp.arange(b, dtype=jnp.int32),
+                        key_mask=self.key_mask,
                         write_index=jnp.where(valid & cached_rows[:, None], plan.positions,
                                               T),
                         logits_index=None if plan.logits_at is None else

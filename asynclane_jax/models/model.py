@@ -689,17 +689,17 @@ class CallPart:
 
     tokens, positions: [r, Q] the queries' token ids and RoPE positions.
     key_mask: [r, T] bool, False for keys the row must not attend (padding).
-    rows: [r] int32 the cache row of each row (>= the cache's rows: a row whose K/V are
-      dropped and whose output is not used).
     write_index: [r, Q] int32 the canvas column of each query (>= T: dropped).
+    rows: [r] int32 the cache row of each row (>= the cache's rows: a row whose K/V are
+      dropped and whose output is not used); None: the cache's rows, in order (r = b).
     logits_index: [r, n] int32 the queries whose logits are computed; None: all.
     """
 
     tokens: jax.Array
     positions: jax.Array
     key_mask: jax.Array
-    rows: jax.Array
     write_index: jax.Array
+    rows: jax.Array | None = None
     logits_index: jax.Array | None = None
 
 
@@ -982,12 +982,16 @@ class DiffusionLM(nnx.Module):
             q, k, v = block.qkv(x, rot)
             qs, ks, vs = split(q), split(k), split(v)
             for p, kp, vp in zip(parts, ks, vs):
-                cache = cache.write(index, p.rows[:, None], p.write_index, kp, vp)
+                rows = jnp.arange(b)[:, None] if p.rows is None else p.rows[:, None]
+                cache = cache.write(index, rows, p.write_index, kp, vp)
             outs = []
             for p, qp in zip(parts, qs):
-                rows = jnp.minimum(p.rows, b - 1)
-                outs.append(attention(qp, cache.k[index][rows], cache.v[index][rows],
-                                      key_mask=p.key_mask, implementation=impl))
+                keys, values = cache.k[index], cache.v[index]
+                if p.rows is not None:  # a gather of the part's rows
+                    rows = jnp.minimum(p.rows, b - 1)
+                    keys, values = keys[rows], values[rows]
+                outs.append(attention(qp, keys, values, key_mask=p.key_mask,
+                                      implementation=impl))
             h = x + block.attn.out(flat(outs))
             return h + block.mlp(block.mlp_norm(h)), cache
 

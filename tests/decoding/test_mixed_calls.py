@@ -85,9 +85,9 @@ def test_a_mixed_call_gives_each_part_what_it_gets_alone(layout):
 
     @jax.jit
     def mixed(cache):
-        parts = (CallPart(canvas[full_rows], pos[full_rows], keys[full_rows], full_rows,
-                          pos[full_rows], cols[full_rows]),
-                 CallPart(take(canvas), take(pos), keys, jnp.arange(b), write, None))
+        parts = (CallPart(canvas[full_rows], pos[full_rows], keys[full_rows],
+                          pos[full_rows], full_rows, cols[full_rows]),
+                 CallPart(take(canvas), take(pos), keys, write))
         return model.forward_mixed(parts, cache)
 
     lf, lc, small, want = apart(cache)
