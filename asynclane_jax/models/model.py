@@ -12,6 +12,7 @@ heads, K key/value heads, h head dim, V vocabulary, L layers.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -913,25 +914,34 @@ class DiffusionLM(nnx.Module):
                             write_index=write_index, block_ids=block_ids)
 
 
-    def _over_layers(self, fn, carry):
+    def _over_layers(self, fn, carry, last=None):
         """carry = fn(block, index, carry) for every layer in order, in either layer
         layout (stacked: one `jax.lax.scan` per stack, each step merging its layer's
-        parameters, as `_scan` does)."""
+        parameters, as `_scan` does); with `last`, the last layer runs
+        last(block, index, carry) instead (after the scans: its carry may change shape)."""
+        n_layers = self.cfg.n_layers
         if not self.cfg.scan_layers:
             for i, layer in enumerate(self.layers):
-                carry = fn(layer, i, carry)
+                carry = (last if last is not None and i == n_layers - 1 else fn)(layer, i,
+                                                                                  carry)
             return carry
         for stack, first, stop in self.cfg.layer_stacks():
             block = self.layers if stack is None else getattr(self.layers, stack)
             block_def, stacked = nnx.split(block)
 
-            def body(c, index, block_def=block_def, stacked=stacked, first=first):
-                layer = nnx.merge(block_def, jax.tree.map(
+            def layer(index, block_def=block_def, stacked=stacked, first=first):
+                return nnx.merge(block_def, jax.tree.map(
                     lambda a: jax.lax.dynamic_index_in_dim(a, index - first, keepdims=False),
                     stacked))
-                return fn(layer, index, c), None
 
-            carry = jax.lax.scan(body, carry, jnp.arange(first, stop, dtype=jnp.int32))[0]
+            def body(c, index, layer=layer):
+                return fn(layer(index), index, c), None
+
+            end = stop - 1 if last is not None and stop == n_layers else stop
+            carry = jax.lax.scan(body, carry, jnp.arange(first, end, dtype=jnp.int32))[0]
+            if end < stop:
+                index = jnp.asarray(end, jnp.int32)
+                carry = last(layer(index), index, carry)
         return carry
 
     def forward_mixed(self, parts: tuple[CallPart, ...], cache: KVCache):
@@ -977,13 +987,22 @@ class DiffusionLM(nnx.Module):
         impl = self.attention_implementation
         b = cache.k.shape[1]
 
-        def layer(block, index, carry):
+        def read(p, a):  # a part's queries whose logits are computed
+            if p.logits_index is None:
+                return a
+            index = p.logits_index.reshape(p.logits_index.shape + (1,) * (a.ndim - 2))
+            return jnp.take_along_axis(a, index, axis=1)
+
+        def layer(block, index, carry, last=False):
             x, cache = carry
             q, k, v = block.qkv(x, rot)
             qs, ks, vs = split(q), split(k), split(v)
             for p, kp, vp in zip(parts, ks, vs):
                 rows = jnp.arange(b)[:, None] if p.rows is None else p.rows[:, None]
                 cache = cache.write(index, rows, p.write_index, kp, vp)
+            if last:  # past its K/V, the last layer runs on the queries read alone
+                qs = [read(p, qp) for p, qp in zip(parts, qs)]
+                x = flat([read(p, xp) for p, xp in zip(parts, split(x))])
             outs = []
             for p, qp in zip(parts, qs):
                 keys, values = cache.k[index], cache.v[index]
@@ -995,11 +1014,12 @@ class DiffusionLM(nnx.Module):
             h = x + block.attn.out(flat(outs))
             return h + block.mlp(block.mlp_norm(h)), cache
 
-        x, cache = self._over_layers(layer, (x, cache))
-        reads = [xp if p.logits_index is None else
-                 jnp.take_along_axis(xp, p.logits_index[:, :, None], axis=1)
-                 for p, xp in zip(parts, split(x))]
-        logits = self._logits(flat(reads)).astype(jnp.float32)
+        x, cache = self._over_layers(layer, (x, cache),
+                                     last=functools.partial(layer, last=True))
+        if not self.cfg.n_layers:  # no last layer gathered the reads (costs.loop's model)
+            x = flat([read(p, xp) for p, xp in zip(parts, split(x))])
+        reads = [read(p, p.tokens) for p in parts]  # their shapes
+        logits = self._logits(x).astype(jnp.float32)
         out, at = [], 0
         for r in reads:
             n = r.shape[0] * r.shape[1]
