@@ -102,11 +102,13 @@ def mixing(schedule: Schedule, cfg, b: int, blocks) -> bool:
     (`Schedule.mixes_calls`) and caches, MIXED_CALLS is on, the batch has room for a
     full part (b >= 2), the model is dense (a mixture of experts routes the parts'
     tokens together), the attention is bidirectional (blocks: the decode's
-    `attention_layout`, None) and no sharding plan is active (a mixed call's tokens are
-    one flat sequence, which no batch axis splits)."""
+    `attention_layout`, None) and the active sharding plan, if any, does not split the
+    batch (a mixed call's tokens are one flat sequence, which no batch axis splits; a
+    tensor axis splits its weights as any call's)."""
+    plan = sharding.active()
     return bool(schedule.mixes_calls and schedule.uses_cache and MIXED_CALLS["on"]
                 and b >= 2 and not cfg.is_moe and blocks is None
-                and sharding.active() is None)
+                and (plan is None or plan.batch_multiple == 1))
 
 
 def make_context(cfg, schedule: Schedule, canvas_shape, pad_len, operands=None,

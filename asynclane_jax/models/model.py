@@ -954,8 +954,9 @@ class DiffusionLM(nnx.Module):
         output is what `forward` with the cache gives it alone: rows never see each
         other, and parts must not share a cache row.
 
-        Bidirectional attention only (no block ids, no key bound), one device's rows:
-        the parts' tokens are one flat sequence, which no batch sharding splits.
+        Bidirectional attention only (no block ids, no key bound), rows not split across
+        devices: the parts' tokens are one flat sequence, which no batch sharding splits
+        (a tensor axis splits the weights as in any call).
 
         Args:
           parts: the CallParts, each [r_i, Q_i].

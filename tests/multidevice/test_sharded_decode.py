@@ -42,6 +42,19 @@ UNSCANNED = {"tiny-llada-block-causal"}  # the scanned check covers d2f on tiny-
 UNTRAINED = {"d2f", "ar", "llada2"}
 
 
+@pytest.fixture(autouse=True)
+def one_call_kind_per_iteration(request):
+    """Mixed calls off (the 2x4 mesh splits the batch, where the driver does not mix),
+    so that every run of a case makes the same calls; `test_mixed_calls_on_a_tensor_mesh`
+    mixes."""
+    saved = driver.MIXED_CALLS["on"]
+    driver.MIXED_CALLS["on"] = request.node.name.startswith("test_mixed_calls")
+    try:
+        yield
+    finally:
+        driver.MIXED_CALLS["on"] = saved
+
+
 @functools.cache
 def shipped(name):
     if name == "tiny-llada-block-causal":  # d2f's cached, block-causal path
@@ -92,6 +105,20 @@ def test_sharded_tokens_equal_unsharded(name, sampler, options):
         res = run()
         np.testing.assert_array_equal(res.tokens, base.tokens, err_msg=label)
         assert res.stats.nfe == base.stats.nfe, label
+
+
+def test_mixed_calls_on_a_tensor_mesh():
+    """A 1x8 mesh does not split the batch: its decode mixes its calls (driver.mixing),
+    with the unsharded mixed decode's tokens and calls."""
+    model, tok, _ = shipped("tiny-llada")
+    kw = dict(tokenizer=tok, sampler="asynclane", gen_length=GEN, refresh_travel=16)
+    base = generate(model, prompts(), **kw)
+    res = generate(model, prompts(), mesh=WIDE, **kw)
+    assert res.stats.call_shapes == base.stats.call_shapes
+    assert any(s.kind == "mixed" and n for s, n in zip(res.stats.call_shapes,
+                                                       res.stats.shape_calls))
+    np.testing.assert_array_equal(res.tokens, base.tokens)
+    np.testing.assert_array_equal(res.stats.shape_calls, base.stats.shape_calls)
 
 
 def _spec(plan, names, shape):
