@@ -129,9 +129,10 @@ def _add_mixed_flag(parser) -> None:
         parser.add_argument(
             "--mixed-calls", action=argparse.BooleanOptionalAction, default=None,
             help="at batch > 1, rows due a full forward are served in the same model call "
-                 "as the other rows' cached queries, so none waits (on by default for the "
-                 "samplers that can: asynclane, and the block samplers with row_refresh); "
-                 "--no-mixed-calls gives each iteration one kind of call")
+                 "as the other rows' cached queries, so none waits (asynclane, and the "
+                 "block samplers with row_refresh); off by default: it pays where a "
+                 "few rows' full forward costs about a cached call (a weight-bound chip), "
+                 "and costs on this CPU")
     except argparse.ArgumentError:
         pass
 

@@ -390,9 +390,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run, at most")
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                     help="the load's HTTP client (aiohttp takes less of the machine's CPU)")
-    ap.add_argument("--mixed-calls", action=argparse.BooleanOptionalAction, default=True,
-                    help="the server's and the baselines' decodes mix their calls (the "
-                         "driver's default); --no-mixed-calls for both, to compare")
+    ap.add_argument("--mixed-calls", action=argparse.BooleanOptionalAction, default=False,
+                    help="the server's and the baselines' decodes mix their calls "
+                         "(docs/architecture.md, \"Mixed calls\"; off by default, as in "
+                         "the driver)")
     ap.add_argument("--out", default=str(RESULTS / "serve"), help="results stem (.md, .json)")
     ap.add_argument("--note", default="", help="a sentence for the results (e.g. what else "
                     "ran on the machine)")

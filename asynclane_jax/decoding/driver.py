@@ -65,8 +65,11 @@ COMPACT_FULL = {"on": True}
 # Whether a decode whose schedule `mixes_calls` serves the rows due a full forward in
 # the same model call as the others' cached queries (`Plan.full_rows`,
 # `DiffusionLM.forward_mixed`), where the driver can (`mixing`). Read when a decode is
-# traced, and part of `compiled_decode`'s key; a measurement turns it off to compare.
-MIXED_CALLS = {"on": True}
+# traced, and part of `compiled_decode`'s key; the decoding commands' `--mixed-calls`
+# turns it on. Off by default: it pays only where a full forward of a few rows costs
+# about a cached call (weight-bound, e.g. v6e at 8B), and costs elsewhere
+# (experiments/results/decode/mixed_calls.md).
+MIXED_CALLS = {"on": False}
 
 
 @struct.dataclass

@@ -25,10 +25,10 @@ slots, ...): the operator fixes it at start (`options`, plus at most MAX_CONFIGS
 configurations a request may pick, `allow_options`); a request asking for another gets
 `OptionNotAllowed`, whose message names what is allowed (a 400 at the server).
 
-An admitted row's full forward and the other rows' cached calls are one model call
-where the sampler mixes its calls (AsyncLane; docs/architecture.md, "Mixed calls"), so
-an admission costs the rows in flight no iteration, and on a weight-bound chip hardly
-a call of its own.
+With mixed calls on (`serve --mixed-calls`; docs/architecture.md, "Mixed calls"), an
+admitted row's full forward and the other rows' cached calls are one model call
+(AsyncLane), so an admission costs the rows in flight no iteration, and on a
+weight-bound chip hardly a call of its own.
 
 Active-batch buckets: a pool runs at the smallest slot count of 1, 2, 4, ... up to
 `slots` (`budget.slot_buckets`) that holds its rows and the requests it admits, each

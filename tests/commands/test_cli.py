@@ -189,9 +189,11 @@ def test_every_sampler_option_is_a_flag(capsys):
             assert " ".join(docs[name].split()[:4]) in help_text, name
 
 
-def test_compact_full_flag_reaches_the_driver(monkeypatch):
-    """Every decoding command takes `--no-compact-full`, and `main` sets the driver's
-    switch from it before the command runs (unchanged when neither flag is given)."""
+@pytest.mark.parametrize("flag,switch", [("compact-full", "COMPACT_FULL"),
+                                         ("mixed-calls", "MIXED_CALLS")])
+def test_driver_switch_flags_reach_the_driver(monkeypatch, flag, switch):
+    """Every decoding command takes `--FLAG` and `--no-FLAG`, and `main` sets the
+    driver's switch from it before the command runs (unchanged when neither is given)."""
     from asynclane_jax import cli, compile_cache
     from asynclane_jax.decoding import driver
 
@@ -200,11 +202,12 @@ def test_compact_full_flag_reaches_the_driver(monkeypatch):
     for name in compile_cache.COMMANDS:
         if name in sub.choices:
             flags = {s for a in sub.choices[name]._actions for s in a.option_strings}
-            assert {"--compact-full", "--no-compact-full"} <= flags, name
+            assert {f"--{flag}", f"--no-{flag}"} <= flags, name
+    state = getattr(driver, switch)
     seen = []
-    monkeypatch.setattr(cli, "run_command", lambda args: seen.append(driver.COMPACT_FULL["on"]))
-    monkeypatch.setitem(driver.COMPACT_FULL, "on", True)
-    cli.main(["generate", "p", "--model", "x", "--no-compact-full"])
+    monkeypatch.setattr(cli, "run_command", lambda args: seen.append(state["on"]))
+    monkeypatch.setitem(state, "on", True)
+    cli.main(["generate", "p", "--model", "x", f"--no-{flag}"])
     cli.main(["generate", "p", "--model", "x"])
-    cli.main(["generate", "p", "--model", "x", "--compact-full"])
+    cli.main(["serve", "--model", "x", f"--{flag}"])
     assert seen == [False, False, True]

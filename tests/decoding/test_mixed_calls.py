@@ -1,7 +1,8 @@
-"""Mixed calls (driver.py, `ModelCalls.by_kind`; `DiffusionLM.forward_mixed`): at batch
-> 1, the rows due a full forward are served in the same model call as the other rows'
-cached queries, so no row waits an iteration for another's full forward. Rows decode
-exactly as they do without it, and as they do alone."""
+"""Mixed calls (driver.py, `ModelCalls.by_kind`; `DiffusionLM.forward_mixed`; off by
+default, `driver.MIXED_CALLS`): at batch > 1, the rows due a full forward are served in
+the same model call as the other rows' cached queries, so no row waits an iteration for
+another's full forward. Rows decode exactly as they do without it, and as they do
+alone."""
 
 from __future__ import annotations
 
