@@ -766,32 +766,17 @@ class DiffusionLM(nnx.Module):
         extract graph node from different trace level"). The split state is plain
         arrays, which any trace may scan.
         """
-        stacks = self.cfg.layer_stacks()
-        for n, (stack, first, stop) in enumerate(stacks):
-            block = self.layers if stack is None else getattr(self.layers, stack)
-            block_def, stacked = nnx.split(block)
 
-            def layer(index, block_def=block_def, stacked=stacked, first=first):
-                # The layer's parameters at its place in the stack; `index` (the
-                # model's layer) addresses the cache.
-                return nnx.merge(block_def, jax.tree.map(
-                    lambda a: jax.lax.dynamic_index_in_dim(a, index - first,
-                                                           keepdims=False), stacked))
+        def step(block, index, carry):
+            x, cache = block.step(index, carry[0], rot, carry[1], rows, write_index,
+                                  key_len, **kw)
+            return sharding.constrain(x, sharding.ACTIVATION), cache
 
-            def body(carry, index, layer=layer):
-                x, cache = carry
-                x, cache = layer(index).step(index, x, rot, cache, rows, write_index,
-                                             key_len, **kw)
-                return (sharding.constrain(x, sharding.ACTIVATION), cache), None
+        def last(block, index, carry):  # on the rows read alone
+            return block.step(index, carry[0], rot, carry[1], rows, write_index, key_len,
+                              out_rows=out_rows, **kw)
 
-            last = n == len(stacks) - 1 and out_rows is not None
-            index = jnp.arange(first, stop - 1 if last else stop, dtype=jnp.int32)
-            x, cache = jax.lax.scan(body, (x, cache), index)[0]
-            if last:
-                i = jnp.asarray(stop - 1, jnp.int32)
-                x, cache = layer(i).step(i, x, rot, cache, rows, write_index, key_len,
-                                         out_rows=out_rows, **kw)
-        return x, cache
+        return self._over_layers(step, (x, cache), last=None if out_rows is None else last)
 
     def _logits(self, x):
         x = self.final_norm(x)
@@ -913,7 +898,6 @@ class DiffusionLM(nnx.Module):
         return self.forward(tokens, positions, key_mask=key_mask, cache=cache,
                             write_index=write_index, block_ids=block_ids)
 
-
     def _over_layers(self, fn, carry, last=None):
         """carry = fn(block, index, carry) for every layer in order, in either layer
         layout (stacked: one `jax.lax.scan` per stack, each step merging its layer's
@@ -930,6 +914,8 @@ class DiffusionLM(nnx.Module):
             block_def, stacked = nnx.split(block)
 
             def layer(index, block_def=block_def, stacked=stacked, first=first):
+                # The layer's parameters at its place in the stack; `index` (the
+                # model's layer) addresses the cache.
                 return nnx.merge(block_def, jax.tree.map(
                     lambda a: jax.lax.dynamic_index_in_dim(a, index - first, keepdims=False),
                     stacked))
