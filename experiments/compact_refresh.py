@@ -52,13 +52,9 @@ SWITCHES = {"compact": driver.COMPACT_FULL, "mixed": driver.MIXED_CALLS}
 
 
 def decode(model, tokenizer, prompts, bucket, gen_length, sampler, options, switch, on):
-    saved = switch["on"]
-    switch["on"] = on
-    try:
+    with driver.switched(switch, on):
         return generate(model, prompts, sampler=sampler, gen_length=gen_length,
                         bucket=bucket, tokenizer=tokenizer, **options)
-    finally:
-        switch["on"] = saved
 
 
 def main() -> int:

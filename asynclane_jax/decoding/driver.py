@@ -30,6 +30,7 @@ Compiled programs are kept in a bounded cache (`PROGRAMS`, `compiled_programs`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import os
@@ -70,6 +71,18 @@ COMPACT_FULL = {"on": True}
 # about a cached call (weight-bound, e.g. v6e at 8B), and costs elsewhere
 # (experiments/results/decode/mixed_calls.md).
 MIXED_CALLS = {"on": False}
+
+
+@contextlib.contextmanager
+def switched(switch: dict, on: bool):
+    """A driver switch (COMPACT_FULL, MIXED_CALLS) set to `on` inside, then as it was:
+    for the measurements and tests that compare a decode both ways."""
+    saved = switch["on"]
+    switch["on"] = bool(on)
+    try:
+        yield
+    finally:
+        switch["on"] = saved
 
 
 @struct.dataclass

@@ -5,7 +5,6 @@ mixed calls off: there a full forward's rows are a part of a mixed call.)"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -21,26 +20,16 @@ OPTS = dict(sampler="asynclane", bucket=64, gen_length=64, refresh_travel=16,
             max_lanes=16, extra_queries=8)
 
 
-@contextlib.contextmanager
 def compaction(on: bool):
-    saved = driver.COMPACT_FULL["on"]
-    driver.COMPACT_FULL["on"] = on
-    try:
-        yield
-    finally:
-        driver.COMPACT_FULL["on"] = saved
+    return driver.switched(driver.COMPACT_FULL, on)
 
 
 @pytest.fixture(autouse=True)
 def one_call_kind_per_iteration():
     """These tests count full forwards by the rows they compute: mixed calls (each
     row's call of its own kind, test_mixed_calls.py) off."""
-    saved = driver.MIXED_CALLS["on"]
-    driver.MIXED_CALLS["on"] = False
-    try:
+    with driver.switched(driver.MIXED_CALLS, False):
         yield
-    finally:
-        driver.MIXED_CALLS["on"] = saved
 
 
 @pytest.fixture(scope="module")

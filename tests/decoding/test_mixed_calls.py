@@ -6,8 +6,6 @@ alone."""
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,14 +27,8 @@ OPTS = dict(sampler="asynclane", bucket=64, gen_length=64, refresh_travel=16,
 SAME = ("commit_step", "row_steps", "row_nfe_full", "row_nfe_partial")
 
 
-@contextlib.contextmanager
 def mixing(on: bool):
-    saved = driver.MIXED_CALLS["on"]
-    driver.MIXED_CALLS["on"] = on
-    try:
-        yield
-    finally:
-        driver.MIXED_CALLS["on"] = saved
+    return driver.switched(driver.MIXED_CALLS, on)
 
 
 @pytest.fixture(scope="module")

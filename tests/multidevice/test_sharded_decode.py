@@ -47,12 +47,8 @@ def one_call_kind_per_iteration(request):
     """Mixed calls off (the 2x4 mesh splits the batch, where the driver does not mix),
     so that every run of a case makes the same calls; `test_mixed_calls_on_a_tensor_mesh`
     mixes."""
-    saved = driver.MIXED_CALLS["on"]
-    driver.MIXED_CALLS["on"] = request.node.name.startswith("test_mixed_calls")
-    try:
+    with driver.switched(driver.MIXED_CALLS, request.node.name.startswith("test_mixed_calls")):
         yield
-    finally:
-        driver.MIXED_CALLS["on"] = saved
 
 
 @functools.cache
