@@ -141,16 +141,12 @@ def apply_compact_flag(args) -> None:
     """Sets the driver's compaction and mixing switches from `--compact-full` /
     `--no-compact-full` and `--mixed-calls` / `--no-mixed-calls`; each unchanged when
     the command line names neither."""
-    on = getattr(args, "compact_full", None)
-    if on is not None:
-        from asynclane_jax.decoding import driver
+    for name, switch in (("compact_full", "COMPACT_FULL"), ("mixed_calls", "MIXED_CALLS")):
+        on = getattr(args, name, None)
+        if on is not None:
+            from asynclane_jax.decoding import driver
 
-        driver.COMPACT_FULL["on"] = bool(on)
-    mixed = getattr(args, "mixed_calls", None)
-    if mixed is not None:
-        from asynclane_jax.decoding import driver
-
-        driver.MIXED_CALLS["on"] = bool(mixed)
+            getattr(driver, switch)["on"] = bool(on)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -442,8 +442,7 @@ class ModelCalls:
         of the "mixed" shape."""
         T = self.T
         read = jnp.minimum(self.query_reads(plan), T - 1)
-        b, n_read = read.shape
-        Q = plan.positions.shape[1]
+        b, Q = plan.positions.shape
         idx = jnp.nonzero(due, size=s, fill_value=b)[0]  # [s]; b: an empty slot
         rows = jnp.minimum(idx, b - 1)  # an empty slot computes a copy, then dropped
         full = CallPart(tokens=st.canvas[rows], positions=self.positions[rows],
@@ -451,47 +450,48 @@ class ModelCalls:
                         write_index=jnp.broadcast_to(self.cols, (s, T)), rows=idx,
                         logits_index=read[rows])
         cached_rows = serve & ~due
-        valid = plan.positions < T
-        cols = jnp.minimum(plan.positions, T - 1)
-        part = CallPart(tokens=jnp.take_along_axis(st.canvas, cols, axis=1),
-                        positions=jnp.take_along_axis(self.positions, cols, axis=1),
-                        key_mask=self.key_mask,
-                        write_index=jnp.where(valid & cached_rows[:, None], plan.positions,
-                                              T),
-                        logits_index=None if plan.logits_at is None else
-                        jnp.minimum(plan.logits_at, Q - 1))
+        part, n_logits, n = self.cached_part(st, plan, cached_rows)
         (logits_full, logits), cache = self.model.forward_mixed((full, part), st.cache)
         logits = self.pad_reads(logits, plan, 0.0)
         placed = jnp.zeros_like(logits).at[idx].set(logits_full, mode="drop")
         logits = jnp.where(due[:, None, None], placed, logits)
-        n_logits = Q if plan.logits_at is None else plan.logits_at.shape[1]
         shape = CallShape("mixed", b, Q, T, n_logits, True, T, full_rows=s)
         attended = jnp.sum(self.key_mask, axis=1)
-        n = jnp.sum(valid & cached_rows[:, None]).astype(jnp.int32)
         return logits, self.count(st.replace(
             cache=cache, nfe_full=st.nfe_full + 1,
             tokens_processed=st.tokens_processed + jnp.minimum(self.n_live, s) * T + n,
             row_full=st.row_full + due, row_partial=st.row_partial + cached_rows),
             shape, serve, attended)
 
-    def cached(self, st: DecodeState, plan: Plan, serve):
-        """The planned columns against the K/V of the whole canvas."""
+    def cached_part(self, st: DecodeState, plan: Plan, serve):
+        """The cached call of the planned columns as a CallPart of every row (only the
+        served rows' fresh K/V written), the logits columns it computes per row, and the
+        query positions it feeds for the served rows."""
         T = self.T
         valid = plan.positions < T
         read = jnp.minimum(plan.positions, T - 1)
-        tokens_q = jnp.take_along_axis(st.canvas, read, axis=1)
-        pos_q = jnp.take_along_axis(self.positions, read, axis=1)
-        write = jnp.where(valid & serve[:, None], plan.positions, T)  # T: dropped
-        logits_at = (None if plan.logits_at is None else
-                     jnp.minimum(plan.logits_at, plan.positions.shape[1] - 1))
+        part = CallPart(
+            tokens=jnp.take_along_axis(st.canvas, read, axis=1),
+            positions=jnp.take_along_axis(self.positions, read, axis=1),
+            key_mask=self.key_mask,
+            write_index=jnp.where(valid & serve[:, None], plan.positions, T),  # T: dropped
+            logits_index=None if plan.logits_at is None else
+            jnp.minimum(plan.logits_at, plan.positions.shape[1] - 1))
+        n_read = (plan.positions.shape[1] if plan.logits_at is None
+                  else plan.logits_at.shape[1])
+        return part, n_read, jnp.sum(valid & serve[:, None]).astype(jnp.int32)
+
+    def cached(self, st: DecodeState, plan: Plan, serve):
+        """The planned columns against the K/V of the whole canvas."""
+        T = self.T
+        part, n_read, n = self.cached_part(st, plan, serve)
         logits, cache = self.model.forward(
-            tokens_q, pos_q, key_mask=self.key_mask, cache=st.cache, write_index=write,
-            logits_index=logits_at, block_ids=self.block_ids)
+            part.tokens, part.positions, key_mask=part.key_mask, cache=st.cache,
+            write_index=part.write_index, logits_index=part.logits_index,
+            block_ids=self.block_ids)
         logits = self.pad_reads(logits, plan, 0.0)  # as wide as a full forward's reads
         b, Q = plan.positions.shape
-        n_read = Q if plan.logits_at is None else plan.logits_at.shape[1]
         shape = CallShape("cached", b, Q, T, n_read, True, T)
-        n = jnp.sum(valid & serve[:, None]).astype(jnp.int32)
         attended = jnp.sum(self.key_mask, axis=1)
         return logits, self.count(st.replace(
             cache=cache, nfe_partial=st.nfe_partial + 1,
