@@ -1,11 +1,9 @@
-"""A driver switch on and off, interleaved (batch 8 unless `--batch`): compacted full
-forwards (`--switch compact`, `driver.COMPACT_FULL`: a full forward that serves at most
-half the rows computes only those rows, gathered into a bucket of 1, 2 or 4 rows, instead
-of all 8), mixed calls (`--switch mixed`, `driver.MIXED_CALLS`: the rows due a full
-forward served in the same model call as the others' cached queries,
-`DiffusionLM.forward_mixed`, instead of the others waiting an iteration) or narrow calls
-(`--switch narrow`, `driver.NARROW_CALLS`: a cached call whose rows plan no more columns
-than the schedule's narrow width made that wide, `Schedule.narrow_queries`).
+"""A driver switch on and off at batch 8, interleaved: compacted full forwards
+(`--switch compact`, `driver.COMPACT_FULL`: a full forward that serves at most half the
+rows computes only those rows, gathered into a bucket of 1, 2 or 4 rows, instead of all
+8) or mixed calls (`--switch mixed`, `driver.MIXED_CALLS`: the rows due a full forward
+served in the same model call as the others' cached queries, `DiffusionLM.forward_mixed`,
+instead of the others waiting an iteration).
 
 Decodes the first `--n` held-out problems of the model's task set, `--batch` at a time,
 with one sampler (`--sampler`, a bench spec: AsyncLane's defaults unless given), once
@@ -14,14 +12,13 @@ programs compiled on the first batch before anything is timed. Counts the rows w
 tokens, commit steps or per-row call counts differ between the two (none expected), and
 reports tokens/s (tokens before the first end-of-text over the compiled loop's
 `decode_time`), the calls by shape, and the model calls priced by the cost model
-(asynclane_jax.costs) on the v5e, v6e and H200 chips at 8B size; at batch 1 also
-tokens/s per family. --out: another place for the JSON (a run elsewhere).
+(asynclane_jax.costs) on the v5e, v6e and H200 chips at 8B size. --out: another place
+for the JSON (a run elsewhere).
 
 Results: experiments/results/decode/compact_refresh.{md,json} (compact),
-experiments/results/decode/mixed_calls_*.{md,json} (mixed),
-experiments/results/decode/narrow_calls*.{md,json} (narrow).
+experiments/results/decode/mixed_calls_*.{md,json} (mixed).
 
-Usage: python experiments/compact_refresh.py [--switch compact|mixed|narrow]
+Usage: python experiments/compact_refresh.py [--switch compact|mixed]
        [--sampler SPEC] [--model tiny-llada-v4b] [--n 128] [--batch 8]
        [--gen-length 512]
 """
@@ -51,8 +48,7 @@ RESULTS = pathlib.Path(__file__).parent / "results" / "decode"
 CHIPS = (("v5e", "int8"), ("v6e", "bf16"), ("h200", "bf16"))
 # Per-row figures that a switch must not change (those the sampler's stats have).
 SAME = ("commit_step", "row_steps", "row_nfe_full", "row_nfe_partial", "refreshes")
-SWITCHES = {"compact": driver.COMPACT_FULL, "mixed": driver.MIXED_CALLS,
-            "narrow": driver.NARROW_CALLS}
+SWITCHES = {"compact": driver.COMPACT_FULL, "mixed": driver.MIXED_CALLS}
 
 
 def decode(model, tokenizer, prompts, bucket, gen_length, sampler, options, switch, on):
@@ -72,19 +68,15 @@ def main() -> int:
                     help="a bench spec, NAME:key=value:... (no alternatives)")
     ap.add_argument("--out", default=None,
                     help="default: results/decode/compact_refresh.json (compact), "
-                         "mixed_calls_MODEL_SAMPLER_GEN.json (mixed), "
-                         "narrow_calls_MODEL_SAMPLER_GEN_bBATCH.json (narrow)")
+                         "mixed_calls_MODEL_SAMPLER_GEN.json (mixed)")
     args = ap.parse_args()
     sampler, combos = spec.parse_spec(args.sampler)
     if len(combos) != 1:
         ap.error(f"--sampler {args.sampler!r}: give one value per option")
     options, switch = combos[0], SWITCHES[args.switch]
     if args.out is None:
-        args.out = str(RESULTS / {
-            "compact": "compact_refresh.json",
-            "mixed": f"mixed_calls_{args.model}_{sampler}_{args.gen_length}.json",
-            "narrow": f"narrow_calls_{args.model}_{sampler}_{args.gen_length}"
-                      f"_b{args.batch}.json"}[args.switch])
+        args.out = str(RESULTS / ("compact_refresh.json" if args.switch == "compact" else
+                                  f"mixed_calls_{args.model}_{sampler}_{args.gen_length}.json"))
 
     model, tokenizer, _ = asynclane_jax.load(args.model)
     problems = tasks.split("heldout", args.n, tasks.model_task_set(args.model))
@@ -97,9 +89,7 @@ def main() -> int:
         run(chunks[0], on)
 
     runs = {on: dict(time=0.0, tokens=0, right=0, calls=collections.Counter(),
-                     row_calls=collections.Counter(),
-                     family=collections.defaultdict(lambda: [0, 0.0]))
-            for on in (True, False)}
+                     row_calls=collections.Counter()) for on in (True, False)}
     differ, mismatch = 0, dict.fromkeys(SAME, 0)
     for c, chunk in enumerate(chunks):
         got = {}
@@ -109,10 +99,6 @@ def main() -> int:
             r = runs[on]
             r["time"] += res.stats.decode_time
             r["tokens"] += int(sum(res.stats.generated_tokens))
-            if args.batch == 1:  # the decode is one problem's
-                fam = r["family"][problems[chunk[0]].family]
-                fam[0] += int(sum(res.stats.generated_tokens))
-                fam[1] += res.stats.decode_time
             r["right"] += sum(evaluate.check(problems[j], row)
                               for j, row in zip(chunk, res.tokens))
             for d in res.stats.calls_by_shape():
@@ -137,7 +123,6 @@ def main() -> int:
         out["on" if on else "off"] = {
             "decode_time": r["time"], "tokens": r["tokens"], "right": r["right"],
             "tokens_per_s": r["tokens"] / r["time"],
-            "tokens_per_s_family": {f: t / s for f, (t, s) in sorted(r["family"].items())},
             "calls": [{**s.to_dict(), "calls": n, "row_calls": r["row_calls"][s]}
                       for s, n in sorted(counts, key=lambda x: (x[0].kind, -x[0].rows))],
             "projected_tokens_per_s": {

@@ -697,13 +697,6 @@ class AsyncLaneSchedule(Schedule):
         return jnp.full((b, G), M, jnp.int32)
 
     # -- the schedule -----------------------------------------------------------------
-    @property
-    def narrow_queries(self) -> int | None:  # Schedule.narrow_queries, per instance
-        """B, the window's width: a cached call often plans no more columns than that
-        (a window cut short by the text's end, and the few stale positions before it
-        that its slide left; no refine lane), and is then made B wide, not B + E."""
-        return self.block_length if self.extra_queries else None
-
     def plan(self, ctx: Context, canvas, st: LaneState, live) -> Plan:
         P, G, T, s = ctx.prompt_len, ctx.gen_length, ctx.length, ctx.shift
         B, E = self.block_length, self.extra_queries

@@ -71,17 +71,11 @@ COMPACT_FULL = {"on": True}
 # about a cached call (weight-bound, e.g. v6e at 8B), and costs elsewhere
 # (experiments/results/decode/mixed_calls.md).
 MIXED_CALLS = {"on": False}
-# Whether a cached call whose served rows each plan at most `Schedule.narrow_queries`
-# columns is made that narrow (the planned columns moved to the first slots): the same
-# logits from a narrower call. Read when a decode is traced, and part of `compiled_decode`'s key; on
-# by default (experiments/results/decode/narrow_calls.md), a test or a measurement
-# turns it off to compare.
-NARROW_CALLS = {"on": True}
 
 
 @contextlib.contextmanager
 def switched(switch: dict, on: bool):
-    """A driver switch (COMPACT_FULL, MIXED_CALLS, NARROW_CALLS) set to `on` inside, then as it was:
+    """A driver switch (COMPACT_FULL, MIXED_CALLS) set to `on` inside, then as it was:
     for the measurements and tests that compare a decode both ways."""
     saved = switch["on"]
     switch["on"] = bool(on)
@@ -488,32 +482,7 @@ class ModelCalls:
         return part, n_read, jnp.sum(valid & serve[:, None]).astype(jnp.int32)
 
     def cached(self, st: DecodeState, plan: Plan, serve):
-        """The planned columns against the K/V of the whole canvas. When no served row
-        plans more columns than the schedule's narrow width (`Schedule.narrow_queries`,
-        `NARROW_CALLS`), each row's planned columns are moved to its first slots and
-        the call is that narrow: the same logits, put back in the plan's slots (an
-        unused slot's logits are never read)."""
-        n = self.schedule.narrow_queries
-        Q = plan.positions.shape[1]
-        if not NARROW_CALLS["on"] or n is None or n >= Q or plan.logits_at is not None:
-            return self.cached_call(st, plan, serve)
-        used = (plan.positions < self.T) & serve[:, None]  # [b, Q]
-        fits = jnp.max(jnp.sum(used, axis=1)) <= n
-        slots = jnp.argsort(~used, axis=1, stable=True)[:, :n]  # used slots first
-        core = plan.replace(positions=jnp.take_along_axis(plan.positions, slots, axis=1))
-
-        def narrow(s):
-            logits, s = self.cached_call(s, core, serve)
-            rows = jnp.arange(slots.shape[0])[:, None]
-            wide = jnp.zeros((slots.shape[0], self.read_width(plan)) + logits.shape[2:],
-                             logits.dtype)
-            return wide.at[rows, slots].set(logits[:, :n]), s
-
-        return branch(fits, narrow, lambda s: self.cached_call(s, plan, serve), st,
-                      self.no_logits(plan))
-
-    def cached_call(self, st: DecodeState, plan: Plan, serve):
-        """The cached call of every planned column."""
+        """The planned columns against the K/V of the whole canvas."""
         T = self.T
         part, n_read, n = self.cached_part(st, plan, serve)
         logits, cache = self.model.forward(
@@ -916,7 +885,6 @@ def compiled_decode(graphdef, params, canvas, pad_len, live, rng, operands=None,
     structure = schedule.structure()
     traced = _place_traced(traced_arrays(schedule, canvas.shape[0]), plan)
     key = (graphdef, structure, plan, COMPACT_FULL["on"], MIXED_CALLS["on"],
-           NARROW_CALLS["on"],
            _abstract_key((params, canvas, pad_len, live, rng, operands, traced)))
     exe = PROGRAMS.get(key)
     compiled = exe is None

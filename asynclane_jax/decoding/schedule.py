@@ -225,12 +225,6 @@ class Schedule:
     # forward served in the same model call as the others' cached queries). The driver
     # turns it on for a decode (`ctx.mixed`) where it can (`driver.mixing`).
     mixes_calls: ClassVar[bool] = False
-    # None, or n: the width of a narrower cached call. A plan's Q query slots are sized
-    # for its busiest iterations; when no served row plans more than n columns, the
-    # driver moves each row's planned columns to its first n slots and makes the call
-    # that narrow (`ModelCalls.cached`, `driver.NARROW_CALLS`), the same logits for
-    # fewer query tokens. Needs `logits_at` None.
-    narrow_queries: ClassVar[int | None] = None
     # Options whose values change no shape and no Python branch of the program (float
     # thresholds): the driver passes them per row as [b] float32 arguments
     # (`ctx.traced`), they are left out of the compiled program's key (`structure`), and
