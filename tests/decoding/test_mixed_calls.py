@@ -16,13 +16,16 @@ from asynclane_jax import checkpoint
 from asynclane_jax.costs import chips, formula, roofline
 from asynclane_jax.costs.chips import CostError
 from asynclane_jax.decoding import driver, generate
+from asynclane_jax.decoding.api import make_schedule
 from asynclane_jax.decoding.stats import CallShape
 from asynclane_jax.models import config as model_config
 from asynclane_jax.models.model import CallPart, KVCache
 from asynclane_jax.testbed import evaluate, tasks
 
-# Forking rows take their full forwards (refresh_travel=16) at different iterations.
-OPTS = dict(sampler="asynclane", bucket=64, gen_length=64, refresh_travel=16,
+# Forking rows take their full forwards (refresh_travel=8) at different iterations. The
+# decodes below are of at most 4 rows, so that the tests share their programs (the
+# batch bucket of 4: mixed parts of 1 and 2 rows).
+OPTS = dict(sampler="asynclane", bucket=64, gen_length=64, refresh_travel=8,
             max_lanes=16, extra_queries=8)
 SAME = ("commit_step", "row_steps", "row_nfe_full", "row_nfe_partial")
 
@@ -34,7 +37,7 @@ def mixing(on: bool):
 @pytest.fixture(scope="module")
 def shipped():
     model, tokenizer, _ = asynclane_jax.load("tiny-llada")
-    prompts = evaluate.prompts_for(tasks.split("heldout", 6), tokenizer)
+    prompts = evaluate.prompts_for(tasks.split("heldout", 7), tokenizer)
     return model, tokenizer, prompts
 
 
@@ -96,6 +99,7 @@ def test_a_mixed_call_gives_each_part_what_it_gets_alone(layout):
 
 def test_asynclane_rows_decode_as_without_mixing_and_alone(shipped):
     model, tokenizer, prompts = shipped
+    prompts = prompts[:4]
     with mixing(False):
         plain = generate(model, prompts, tokenizer=tokenizer, **OPTS)
     with mixing(True):
@@ -109,45 +113,56 @@ def test_asynclane_rows_decode_as_without_mixing_and_alone(shipped):
     # No row waits for another's full forward: fewer iterations, as many calls per row.
     assert mixed.stats.iterations < plain.stats.iterations
     assert mixed.stats.nfe < plain.stats.nfe
-    alone = [generate(model, [p], tokenizer=tokenizer, **OPTS) for p in prompts[:3]]
+    alone = [generate(model, [p], tokenizer=tokenizer, **OPTS) for p in prompts[:2]]
     for i, one in enumerate(alone):
         np.testing.assert_array_equal(mixed.tokens[i], one.tokens[0])
         assert not calls_of(one.stats, "mixed")  # one row: nothing to mix
 
 
 def test_more_rows_due_than_a_full_part_holds(shipped):
-    """Three rows: a full part holds one, so when two are due a full forward while the
-    third is cached, the two get a full forward and the third waits, as without mixing."""
+    """Three rows, unpadded: a full part holds one (at most half the rows), so when two
+    are due a full forward while the third is cached, the two get a full forward over
+    the batch and the third waits, as without mixing."""
     model, tokenizer, prompts = shipped
-    opts = dict(OPTS, refresh_travel=8)
-    for rows in (prompts[:3], prompts[3:6]):
-        with mixing(False):
-            plain = generate(model, rows, tokenizer=tokenizer, **opts)
-        with mixing(True):
-            mixed = generate(model, rows, tokenizer=tokenizer, **opts)
-        np.testing.assert_array_equal(mixed.tokens, plain.tokens)
-        for f in SAME:
-            np.testing.assert_array_equal(getattr(mixed.stats, f), getattr(plain.stats, f))
-        assert set(calls_of(mixed.stats, "mixed")) <= {1}
+    rows = prompts[1:4]  # rows whose refreshes fall due two at once, once
+    with mixing(False):
+        plain = generate(model, rows, tokenizer=tokenizer, pad_batch=False, **OPTS)
+    with mixing(True):
+        mixed = generate(model, rows, tokenizer=tokenizer, pad_batch=False, **OPTS)
+    np.testing.assert_array_equal(mixed.tokens, plain.tokens)
+    for f in SAME:
+        np.testing.assert_array_equal(getattr(mixed.stats, f), getattr(plain.stats, f))
+    assert set(calls_of(mixed.stats, "mixed")) == {1}
+    # A full forward of the 3 rows that served only 2 of them: the two due, the third
+    # waiting.
+    full3 = [i for i, c in enumerate(mixed.stats.call_shapes)
+             if c.kind == "full" and c.rows == 3]
+    served = mixed.stats.row_shape_calls[:, full3].sum(axis=0)  # row-calls per shape
+    assert (served < 3 * mixed.stats.shape_calls[full3]).any(), mixed.stats.call_shapes
 
 
 def test_block_baselines_with_row_refresh_mix(shipped):
     model, tokenizer, prompts = shipped
+    prompts = prompts[:4]
     opts = dict(sampler="fast-dllm", gen_length=64, block_length=16, cache="dual",
                 cascade=True, bucket=64, row_refresh=True)
     with mixing(False):
         plain = generate(model, prompts, **opts)
     with mixing(True):
         mixed = generate(model, prompts, **opts)
-        batched = generate(model, prompts, **dict(opts, row_refresh=False))
     np.testing.assert_array_equal(mixed.tokens, plain.tokens)
     for f in SAME:
         np.testing.assert_array_equal(getattr(mixed.stats, f), getattr(plain.stats, f))
     assert calls_of(mixed.stats, "mixed")
     assert mixed.stats.nfe < plain.stats.nfe
-    # The published batched refresh is one call kind per iteration, as before.
-    assert not calls_of(batched.stats, "mixed")
-    np.testing.assert_array_equal(batched.tokens, plain.tokens)
+    # The published batched refresh is one call kind per iteration, as before: the
+    # driver does not mix a schedule that does not plan per-row kinds.
+    published = make_schedule("fast-dllm", gen_length=64, block_length=16, cache="dual",
+                              cascade=True)
+    assert not published.mixes_calls and make_schedule(
+        "fast-dllm", gen_length=64, block_length=16, cache="dual", row_refresh=True).mixes_calls
+    with mixing(True):
+        assert not driver.mixing(published, model.cfg, 4, None)
 
 
 def test_a_mixed_call_reads_the_weights_once():
