@@ -23,8 +23,9 @@ from asynclane_jax.models.model import CallPart, KVCache
 from asynclane_jax.testbed import evaluate, tasks
 
 # Forking rows take their full forwards (refresh_travel=8) at different iterations. The
-# decodes below are of at most 4 rows, so that the tests share their programs (the
-# batch bucket of 4: mixed parts of 1 and 2 rows).
+# decodes of several rows below are of 4 (mixed parts of 1 and 2 rows) with these
+# options, so that they share their programs, but for the 3 unpadded rows of the
+# fallback's test.
 OPTS = dict(sampler="asynclane", bucket=64, gen_length=64, refresh_travel=8,
             max_lanes=16, extra_queries=8)
 SAME = ("commit_step", "row_steps", "row_nfe_full", "row_nfe_partial")
