@@ -55,11 +55,11 @@ def main(argv=None) -> int:
     rows = []
     for topology, mesh, quantize, sampler, options in CASES:
         for on in (True, False):
-            driver.COMPACT_FULL["on"] = on
-            rep = aot.compile_for_topology(
-                MODEL, sampler=sampler, options=options, gen_length=512, batch=8,
-                prompt_len=128, topology=topology, mesh=mesh, quantize=quantize,
-                scan_layers=True)
+            with driver.switched(driver.COMPACT_FULL, on):
+                rep = aot.compile_for_topology(
+                    MODEL, sampler=sampler, options=options, gen_length=512, batch=8,
+                    prompt_len=128, topology=topology, mesh=mesh, quantize=quantize,
+                    scan_layers=True)
             row = dict(topology=topology, mesh=mesh, quantize=quantize or "none",
                        sampler=sampler, options=options, compact=on, **{
                            k: getattr(rep, k) for k in (
@@ -69,7 +69,6 @@ def main(argv=None) -> int:
             print(f"{topology} {sampler} compact={on}: temporaries "
                   f"{row['temp_bytes'] / GIB:.2f} GiB, peak {row['peak_bytes'] / GIB:.2f} GiB, "
                   f"compiled in {row['compile_s']:.0f} s", flush=True)
-    driver.COMPACT_FULL["on"] = True
 
     command = "python " + " ".join(shlex.quote(a) for a in [
         "experiments/compact_memory.py", *(argv if argv is not None else sys.argv[1:])])
