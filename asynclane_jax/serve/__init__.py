@@ -14,9 +14,10 @@
             time to first token, tokens) and the engine (queue, slots, pools, compiles).
   app       the ASGI app (FastAPI): /v1/completions, /v1/chat/completions (streaming as
             server-sent events), /v1/models, /health, /metrics.
+  stream    the streamed response: server-sent events in batches, one write each.
   cli       the `serve` subcommand (entry point `asynclane_jax.commands`), on uvicorn.
 
-FastAPI, uvicorn, sse-starlette and prometheus-client are optional:
+FastAPI, uvicorn and prometheus-client are optional:
 `pip install 'asynclane-jax[serve]'`.
 """
 
@@ -26,8 +27,8 @@ import importlib
 
 INSTALL_HINT = "pip install 'asynclane-jax[serve]'"
 # Distribution name of each optional module the server imports.
-_DISTRIBUTIONS = {"fastapi": "fastapi", "uvicorn": "uvicorn", "sse_starlette": "sse-starlette",
-                  "starlette": "fastapi", "httpx": "httpx", "openai": "openai",
+_DISTRIBUTIONS = {"fastapi": "fastapi", "uvicorn": "uvicorn", "starlette": "fastapi",
+                  "httpx": "httpx", "openai": "openai",
                   "prometheus_client": "prometheus-client"}
 
 

@@ -9,9 +9,11 @@
 Requests are checked by `protocol.parse_request` (every field honoured or a 400 naming
 it), then submitted to the engine, whose updates (tokens newly final, as a text delta)
 arrive from its thread and are handed to the request's coroutine through its event
-loop. A streamed request sends each delta as it comes; a plain one collects them. Both
-watch for the client going away and cancel the engine request then, which frees its slot
-at the next chunk boundary.
+loop. A streamed request sends what each wake-up of its coroutine found (the deltas that
+arrived together merged into one event, a chat stream's first chunk with the first
+text, the last chunk with [DONE]) as one write (`stream.EventStream`); a plain one
+collects them. Both watch for the client going away and cancel the engine request then,
+which frees its slot at the next chunk boundary.
 
 Every request is counted (`metrics.RequestMetrics`, outermost) by endpoint and status.
 Before a request reaches an endpoint, `guard` checks its Host and Origin (403), its API
@@ -127,6 +129,7 @@ class _Submitted:
         self.http_request = http_request
         self.cutter = protocol.StopCutter(parsed.stop)
         self.done = False
+        self.gone = False  # the client went away (seen by the response)
         self.handle = None
         self.prompt_tokens = len(parsed.prompt_ids)
         self.completion_tokens = 0
@@ -181,53 +184,81 @@ class _Submitted:
             if self.handle is not None:
                 self.handle.cancel()
 
+    def left(self) -> None:
+        """The client went away (the streamed response saw it): cancels the engine
+        request and ends events() at its next wake-up, which this is."""
+        self.gone = True
+        self.close()
+        self.queue.put_nowait(None)
+
+    def _tick(self) -> None:
+        # On the event loop, every DISCONNECT_POLL_S while events() runs: wakes it to
+        # look for a gone client even when the engine sends nothing.
+        self.queue.put_nowait(None)
+        self._ticker = self.loop.call_later(DISCONNECT_POLL_S, self._tick)
+
     async def events(self):
-        """Yields ("text", delta) as the committed text grows, then one of ("end",
-        finish_reason) or ("error", status, message). Returns early (cancelling the
-        engine request) when the client disconnects."""
-        next_check = self.loop.time() + DISCONNECT_POLL_S
+        """Yields a list of events per wake-up: ("text", delta) for what the committed
+        text gained (the updates that arrived together merged into one delta), then, in
+        the last list, one of ("end", finish_reason) or ("error", status, message); an
+        empty list after stream.PING_S seconds without an event. Returns early
+        (cancelling the engine request) when the client disconnects."""
+        from asynclane_jax.serve.stream import PING_S
+
+        now = self.loop.time()
+        next_check, quiet_since = now + DISCONNECT_POLL_S, now
+        self._ticker = self.loop.call_later(DISCONNECT_POLL_S, self._tick)
         try:
             while True:
-                try:
-                    update = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    update = None
-                if self.loop.time() >= next_check:  # however busy the stream is
-                    next_check = self.loop.time() + DISCONNECT_POLL_S
-                    if await self.http_request.is_disconnected():
-                        log.info("request %s: the client went away; cancelled",
-                                 self.request_id)
-                        return
-                if update is None:
-                    continue
-                self._count(update.completion_tokens)
-                self.prompt_tokens = update.prompt_tokens
-                self.completion_tokens = update.completion_tokens
-                text, stopped = self.cutter.feed(update.text or "")
-                if stopped:
-                    if text:
-                        yield ("text", text)
-                    self.close()  # a stop string: the rest is not wanted
-                    yield ("end", "stop")
+                updates = [await self.queue.get()]
+                while not self.queue.empty():
+                    updates.append(self.queue.get_nowait())
+                now = self.loop.time()
+                if now >= next_check and not self.gone:  # however busy the stream is
+                    next_check = now + DISCONNECT_POLL_S
+                    self.gone = await self.http_request.is_disconnected()
+                if self.gone:
+                    log.info("request %s: the client went away; cancelled", self.request_id)
                     return
-                if update.finished:
-                    self.done = True
-                    if update.finish_reason in ("stop", "length"):
-                        text += self.cutter.flush()
-                        if text:
-                            yield ("text", text)
-                        yield ("end", update.finish_reason)
-                    elif update.finish_reason == "cancelled":
-                        yield ("error", 503, "the request was cancelled by the server "
-                                             "(shutting down)")
-                    else:
-                        yield ("error", 500, protocol.scrub(update.error or "the engine "
-                                                            "failed this request"))
+                text, end = "", None
+                for update in updates:
+                    if update is None:  # a tick
+                        continue
+                    end = self._take(update)
+                    text += end[0]
+                    if end[1] is not None:
+                        break
+                batch = [("text", text)] if text else []
+                if end is not None and end[1] is not None:
+                    yield batch + [end[1]]
                     return
-                if text:
-                    yield ("text", text)
+                if batch or now - quiet_since >= PING_S:
+                    quiet_since = now
+                    yield batch
         finally:
+            self._ticker.cancel()
             self.close()
+
+    def _take(self, update) -> tuple[str, tuple | None]:
+        """One engine update: the text it adds after stop strings, and the stream's
+        last event when it ends it (else None)."""
+        self._count(update.completion_tokens)
+        self.prompt_tokens = update.prompt_tokens
+        self.completion_tokens = update.completion_tokens
+        text, stopped = self.cutter.feed(update.text or "")
+        if stopped:
+            self.close()  # a stop string: the rest is not wanted
+            return text, ("end", "stop")
+        if not update.finished:
+            return text, None
+        self.done = True
+        if update.finish_reason in ("stop", "length"):
+            return text + self.cutter.flush(), ("end", update.finish_reason)
+        if update.finish_reason == "cancelled":  # an error drops the update's text
+            return "", ("error", 503, "the request was cancelled by the server "
+                                        "(shutting down)")
+        return "", ("error", 500, protocol.scrub(update.error or "the engine failed "
+                                                                   "this request"))
 
     def _count(self, completion_tokens: int) -> None:
         new = completion_tokens - self.completion_tokens
@@ -271,11 +302,11 @@ def create_app(engine, *, default_max_tokens: int | None = None,
       The app (an ASGI application).
     """
     fastapi = require("fastapi")
-    require("sse_starlette")
     require("prometheus_client")
     from fastapi.responses import JSONResponse
-    from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from asynclane_jax.serve.stream import DONE, EventStream
 
     spec = _spec(engine, default_max_tokens, server_options, max_prompt_chars)
     security = security or Security()
@@ -411,21 +442,21 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         name = engine.model_name
         if parsed.stream:
             # At SIGTERM a stream runs on through the drain (it ends itself: its text, or
-            # an error event once the drain cancels it), and is cut only past the margin.
-            grace = 1e9 if drain_timeout is None else drain_timeout + DRAIN_MARGIN_S
-            return EventSourceResponse(_stream(sub, rid, made, name, chat),
-                                       shutdown_grace_period=grace)
+            # an error event once the drain cancels it); uvicorn cuts it only past the
+            # drain and a margin (cli.serve_app).
+            return EventStream(_stream(sub, rid, made, name, chat), on_disconnect=sub.left)
         try:
             parts, finish = [], None
-            async for ev in sub.events():
-                if ev[0] == "text":
-                    parts.append(ev[1])
-                elif ev[0] == "end":
-                    finish = ev[1]
-                else:
-                    return error_response(RequestError(
-                        ev[2], type="server_error", status=ev[1],
-                        code="shutting_down" if ev[1] == 503 else None))
+            async for batch in sub.events():
+                for ev in batch:
+                    if ev[0] == "text":
+                        parts.append(ev[1])
+                    elif ev[0] == "end":
+                        finish = ev[1]
+                    else:
+                        return error_response(RequestError(
+                            ev[2], type="server_error", status=ev[1],
+                            code="shutting_down" if ev[1] == 503 else None))
             if finish is None:  # the client went away: nobody reads the answer
                 return JSONResponse(protocol.error_body("the client disconnected"),
                                     status_code=499)
@@ -435,27 +466,33 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         return make(rid, made, name, "".join(parts), finish, sub.usage())
 
     async def _stream(sub: _Submitted, rid, made, name, chat):
+        """The stream's batches of event data (stream.EventStream): a chat stream's
+        first chunk (its role) goes with the first batch."""
         def chunk(text=None, finish=None, use=None):
             if chat:
                 delta = {} if text is None else {"content": text}
                 return protocol.chat_chunk(rid, made, name, delta, finish, use)
             return protocol.completion_chunk(rid, made, name, text or "", finish, use)
 
+        first = []
+        if chat:
+            first.append(json.dumps(protocol.chat_chunk(rid, made, name,
+                                                        {"role": "assistant", "content": ""})))
         try:
-            if chat:
-                first = protocol.chat_chunk(rid, made, name, {"role": "assistant",
-                                                              "content": ""})
-                yield {"data": json.dumps(first)}
-            async for ev in sub.events():
-                if ev[0] == "text":
-                    yield {"data": json.dumps(chunk(ev[1]))}
-                elif ev[0] == "end":
-                    yield {"data": json.dumps(chunk(None, ev[1], sub.usage()))}
-                else:
-                    err = protocol.error_body(ev[2], type="server_error",
-                                              code="shutting_down" if ev[1] == 503 else None)
-                    yield {"data": json.dumps(err)}
-            yield {"data": "[DONE]"}
+            async for batch in sub.events():
+                data, first = first, []
+                for ev in batch:
+                    if ev[0] == "text":
+                        data.append(json.dumps(chunk(ev[1])))
+                    elif ev[0] == "end":
+                        data.append(json.dumps(chunk(None, ev[1], sub.usage())))
+                    else:
+                        code = "shutting_down" if ev[1] == 503 else None
+                        data.append(json.dumps(protocol.error_body(
+                            ev[2], type="server_error", code=code)))
+                if batch and batch[-1][0] != "text":  # the last batch
+                    data.append(DONE)
+                yield data
         finally:
             sub.close()  # also when the client went away and the stream was cancelled
 

@@ -206,7 +206,7 @@ def run(args) -> int:
     from asynclane_jax.serve import require
 
     if not args.dry_run:
-        for module in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"):
+        for module in ("fastapi", "uvicorn", "prometheus_client"):
             require(module)
     if args.gen_length is not None:
         raise UsageError("serve: --gen-length is per request here; use --max-tokens (the "

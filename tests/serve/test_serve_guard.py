@@ -33,7 +33,6 @@ import time
 import pytest
 
 pytest.importorskip("fastapi")
-pytest.importorskip("sse_starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 

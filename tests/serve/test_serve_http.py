@@ -27,7 +27,6 @@ import time
 import pytest
 
 pytest.importorskip("fastapi")
-pytest.importorskip("sse_starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
@@ -567,8 +566,7 @@ def test_real_disconnect_frees_the_slot(real, monkeypatch):
         for _ in range(3):
             with c.stream("POST", "/v1/chat/completions",
                           json=chat_body(stream=True, max_tokens=128)) as r:
-                assert r.status_code == 200
-                next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert r.status_code == 200  # the stream is open: leave it at once
     assert wait_for(lambda: len(reasons) == 3)
     assert "cancelled" in reasons, reasons  # at least one was still decoding
     assert wait_for(lambda: engine.stats()["slots_busy"] == 0 and engine.stats()["waiting"] == 0)
@@ -753,7 +751,7 @@ def test_serve_without_the_extra_is_one_line(monkeypatch, capsys):
 def test_the_command_line_does_not_import_the_server_packages():
     code = ("import sys, asynclane_jax.cli\n"
             "asynclane_jax.cli.build_parser()\n"
-            "bad = [m for m in ('fastapi', 'uvicorn', 'sse_starlette', 'starlette', 'openai',\n"
+            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'openai',\n"
             "                   'prometheus_client')\n"
             "       if m in sys.modules]\n"
             "assert not bad, bad\n")
