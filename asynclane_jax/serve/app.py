@@ -30,9 +30,9 @@ cancelled; in a stream, an error event then [DONE]) and for a request that the m
 budget cannot hold even alone (code kv_budget_exceeded; one that fits later waits).
 
 Host work stays off the event loop: a request is parsed and tokenized, and submitted,
-on a worker thread (asyncio.to_thread); the engine's own threads decode and
-detokenize. No answer and no /health names a
-path of the server's machine.
+on a worker thread (asyncio.to_thread, one hand-off per request); the engine's own
+threads decode and detokenize. No answer and no /health names a path of the server's
+machine.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the endpoints' annotations
@@ -43,6 +43,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asynclane_jax.serve import protocol, require
@@ -106,8 +107,8 @@ def _spec(engine, default_max_tokens: int | None, server_options: dict | None,
 
 
 def _cancel_submitted(task) -> None:
-    if not task.cancelled() and task.exception() is None:
-        task.result().cancel()
+    if not task.cancelled() and task.exception() is None and task.result()[1] is not None:
+        task.result()[1].cancel()
 
 
 class _Submitted:
@@ -118,60 +119,77 @@ class _Submitted:
     the first one go to `metrics` (from the request's arrival, as RequestMetrics saw it).
     """
 
-    def __init__(self, engine, parsed: protocol.ParsedRequest, http_request,
-                 metrics: Metrics | None = None):
+    def __init__(self, engine, http_request, metrics: Metrics | None = None, *,
+                 parsed: protocol.ParsedRequest | None = None):
         self.loop = asyncio.get_running_loop()
-        self.engine, self.parsed = engine, parsed
+        self.engine = engine
         self.metrics = metrics
         self.endpoint = endpoint(http_request.url.path)
         self.start = http_request.scope.get(START_KEY, time.perf_counter())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.http_request = http_request
-        self.cutter = protocol.StopCutter(parsed.stop)
         self.done = False
         self.gone = False  # the client went away (seen by the response)
         self.handle = None
-        self.prompt_tokens = len(parsed.prompt_ids)
+        self.parsed, self.cutter, self.prompt_tokens = None, None, 0
+        if parsed is not None:
+            self._read(parsed)
         self.completion_tokens = 0
 
-    async def submit(self) -> None:
-        """Submits the request to the engine (on a worker thread: a new pool's shapes
-        are traced there, off the event loop).
+    def _read(self, parsed: protocol.ParsedRequest) -> None:
+        self.parsed = parsed
+        self.cutter = protocol.StopCutter(parsed.stop)
+        self.prompt_tokens = len(parsed.prompt_ids)
+
+    async def submit(self, parse: Callable[[], protocol.ParsedRequest]) -> None:
+        """Parses the request (`parse()`: decoding the JSON, checking, tokenizing) and
+        submits it to the engine, both on one worker thread (a long prompt, or a new
+        pool's shapes traced, never stall the event loop; one hand-off per request).
 
         Raises:
-          RequestError: 429 (queue full), 503 (shutting down, or over the memory
-            budget), 400 (a request the engine refuses).
+          RequestError: parse's (400), 429 (queue full), 503 (shutting down, or over the
+            memory budget), 400 (a request the engine refuses).
         """
-        parsed = self.parsed
-        task = asyncio.ensure_future(asyncio.to_thread(
-            self.engine.submit, parsed.prompt_ids, max_tokens=parsed.max_tokens,
-            options=parsed.options or None, on_update=self._on_update))
+        def work():
+            parsed = parse()
+            try:
+                return parsed, self.engine.submit(
+                    parsed.prompt_ids, max_tokens=parsed.max_tokens,
+                    options=parsed.options or None, on_update=self._on_update), None
+            except EngineError as e:
+                return parsed, None, e
+
+        task = asyncio.ensure_future(asyncio.to_thread(work))
         try:
-            self.handle = await asyncio.shield(task)
+            parsed, self.handle, error = await asyncio.shield(task)
         except asyncio.CancelledError:  # the client left while it was submitted:
             task.add_done_callback(_cancel_submitted)  # cancel it once it is in
             raise
-        except QueueFull as e:
-            raise RequestError(f"the server is busy: {e}; retry later", code="rate_limit_exceeded",
-                               type="rate_limit_error", status=429,
-                               headers={"Retry-After": "1"}) from None
-        except OverBudget as e:
-            raise RequestError(f"the server cannot hold this request: {e}",
-                               type="server_error", code="kv_budget_exceeded",
-                               param="max_tokens", status=503) from None
-        except EngineError as e:
-            if isinstance(e, EngineStopped):  # stopping, or not started
-                raise RequestError(f"the server is not taking requests: {e}",
-                                   type="server_error", code="shutting_down",
-                                   status=503) from None
-            param = "sampler_options" if parsed.options else None
-            code = "option_not_allowed" if isinstance(e, OptionNotAllowed) else None
-            raise RequestError(protocol.scrub(str(e)), param=param, code=code) from None
+        self._read(parsed)
+        if error is not None:
+            raise self._refusal(error) from None
         if self.done:  # closed (the client left) while it was being submitted
             self.handle.cancel()
         self.request_id = self.handle.request_id
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
+
+    def _refusal(self, e: EngineError) -> RequestError:
+        """The HTTP error of a request the engine did not take."""
+        if isinstance(e, QueueFull):
+            return RequestError(f"the server is busy: {e}; retry later",
+                                code="rate_limit_exceeded", type="rate_limit_error",
+                                status=429, headers={"Retry-After": "1"})
+        if isinstance(e, OverBudget):
+            return RequestError(f"the server cannot hold this request: {e}",
+                                type="server_error", code="kv_budget_exceeded",
+                                param="max_tokens", status=503)
+        if isinstance(e, EngineStopped):  # stopping, or not started
+            return RequestError(f"the server is not taking requests: {e}",
+                                type="server_error", code="shutting_down", status=503)
+        param = "sampler_options" if self.parsed.options else None
+        code = "option_not_allowed" if isinstance(e, OptionNotAllowed) else None
+        return RequestError(protocol.scrub(str(e)), param=param, code=code)
 
     def _on_update(self, update) -> None:
         # On the engine's thread: hand the update to the request's event loop.
@@ -429,14 +447,10 @@ def create_app(engine, *, default_max_tokens: int | None = None,
 
     async def complete(request, chat: bool):
         raw = await request.body()
-        # Decoding the JSON, parsing and tokenizing run on a worker thread, in one hand-off
-        # (each costs the request a wake-up of a thread and of the loop): a long prompt
-        # never stalls the event loop (other streams, /health).
-        parsed = await asyncio.to_thread(
-            lambda: protocol.parse_request(decode_json(raw), spec, engine.tokenizer,
-                                           chat=chat))
-        sub = _Submitted(engine, parsed, request, metrics)
-        await sub.submit()
+        sub = _Submitted(engine, request, metrics)
+        await sub.submit(lambda: protocol.parse_request(decode_json(raw), spec,
+                                                        engine.tokenizer, chat=chat))
+        parsed = sub.parsed
         rid = ("chatcmpl-" if chat else "cmpl-") + str(sub.request_id)
         made = protocol.now()
         name = engine.model_name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import types
 
 import pytest
@@ -28,7 +29,7 @@ def _submitted(stop=None):
     http_request = types.SimpleNamespace(url=types.SimpleNamespace(path="/v1/completions"),
                                          scope={}, is_disconnected=connected)
     parsed = types.SimpleNamespace(stop=list(stop or []), prompt_ids=[1, 2, 3])
-    sub = app_lib._Submitted(engine=None, parsed=parsed, http_request=http_request)
+    sub = app_lib._Submitted(None, http_request, parsed=parsed)
     sub.request_id = "cmpl-test"
     return sub
 
@@ -161,3 +162,34 @@ def test_the_response_sees_the_client_leave_and_the_request_ends_at_once():
     # response's watcher can have ended it: the headers, then the empty end.
     assert [m["type"] for m in messages] == ["http.response.start", "http.response.body"]
     assert messages[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def test_a_request_whose_client_leaves_while_it_is_submitted_is_cancelled_once_in():
+    release, cancelled = threading.Event(), threading.Event()
+    parsed = types.SimpleNamespace(stop=[], prompt_ids=[1, 2], max_tokens=8, options={})
+
+    class Engine:
+        def submit(self, prompt_ids, *, max_tokens, options, on_update):
+            return types.SimpleNamespace(request_id="r", cancel=cancelled.set)
+
+    def parse():  # parsing and submitting take a while, on the worker thread
+        release.wait(5)
+        return parsed
+
+    async def run():
+        sub = _submitted()
+        sub.engine = Engine()
+        task = asyncio.ensure_future(sub.submit(parse))
+        await asyncio.sleep(0.05)
+        task.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not cancelled.is_set()  # not in the engine yet
+        release.set()
+        for _ in range(200):  # once it is in, it is cancelled
+            if cancelled.is_set():
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert cancelled.is_set()
