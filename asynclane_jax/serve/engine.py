@@ -272,6 +272,11 @@ class _Pool:
         fn = chunk.lower(*args).compile()
         self.call_shapes[b] = tuple(sites.shapes)  # numbered as state.shape_calls counts
         shardings = fn.input_shardings[0][1]
+        # The canvas_in of a chunk that admits nothing: made here, with the programs
+        # (a host array put on the devices: no program of its own to compile when a
+        # slot count is first used while serving).
+        self.blanks[b] = jax.device_put(np.full((b, T), cfg.mask_token_id, np.int32),
+                                        fn.input_shardings[0][4])
         dt = time.perf_counter() - t0
         self.compile_time += dt
         eng.compiles += 1
@@ -425,9 +430,7 @@ class _Pool:
 
     def _blank(self, b: int):
         """An all-mask canvas of b rows on the devices (the chunk program's canvas_in
-        when it admits nothing), made once per slot count."""
-        if b not in self.blanks:
-            self.blanks[b] = jnp.full((b, self.T), self.engine.cfg.mask_token_id, jnp.int32)
+        when it admits nothing), made with the program at b slots."""
         return self.blanks[b]
 
     def fail(self, message: str) -> None:

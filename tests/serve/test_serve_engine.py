@@ -5,8 +5,10 @@ admitted; cancelled rows free their slot; the queue is bounded."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 
+import jax
 import numpy as np
 import pytest
 
@@ -82,6 +84,22 @@ def test_requests_get_generates_tokens_under_continuous_batching(tiny, sampler, 
     assert eng.stats()["slots_busy"] == 0 and eng.stats()["requests_done"] == len(prompts)
 
 
+@contextlib.contextmanager
+def backend_compiles():
+    """The seconds of each program XLA compiles meanwhile (in any thread)."""
+    seen = []
+
+    def listener(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
     model, tok = tiny
     prompts = ev.prompts_for(tasks.heldout(3))
@@ -92,35 +110,39 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
     with pytest.raises(EngineError, match="not running"):
         eng.submit(prompts[0], max_tokens=8, on_update=lambda u: None)
     eng.start()
-    try:
-        first = Collector()
-        started, release = threading.Event(), threading.Event()
+    # Serving compiles nothing once started: chunks that admit and chunks that do not
+    # (whose all-mask canvas is made with the program), cancels, refusals.
+    with backend_compiles() as compiled:
+        try:
+            first = Collector()
+            started, release = threading.Event(), threading.Event()
 
-        def hold(u):  # the first update holds the engine's thread until released
-            first(u)
-            if not started.is_set():
-                started.set()
-                release.wait(60)
+            def hold(u):  # the first update holds the engine's thread until released
+                first(u)
+                if not started.is_set():
+                    started.set()
+                    release.wait(60)
 
-        h = eng.submit(prompts[0], max_tokens=64, on_update=hold)
-        assert started.wait(120) and not first.updates[0].finished  # it holds the slot
-        second = Collector()
-        eng.submit(prompts[1], max_tokens=64, on_update=second)  # waits
-        with pytest.raises(QueueFull):
-            eng.submit(prompts[2], max_tokens=64, on_update=lambda u: None)
-        h.cancel()
-        release.set()
-        assert first.done.wait(60) and first.updates[-1].finish_reason == "cancelled"
-        assert second.done.wait(120) and second.updates[-1].finish_reason == "stop"
-        with pytest.raises(EngineError, match="exceeds the largest"):
-            eng.submit(prompts[0], max_tokens=65, on_update=lambda u: None)
-        with pytest.raises(EngineError, match="at most"):
-            eng.submit(list(range(10)) * 60, max_tokens=8, on_update=lambda u: None)
-        with pytest.raises(EngineError, match="unknown option"):
-            eng.submit(prompts[0], max_tokens=8, options={"nonsense": 1},
-                       on_update=lambda u: None)
-    finally:
-        eng.shutdown()
+            h = eng.submit(prompts[0], max_tokens=64, on_update=hold)
+            assert started.wait(120) and not first.updates[0].finished  # it holds the slot
+            second = Collector()
+            eng.submit(prompts[1], max_tokens=64, on_update=second)  # waits
+            with pytest.raises(QueueFull):
+                eng.submit(prompts[2], max_tokens=64, on_update=lambda u: None)
+            h.cancel()
+            release.set()
+            assert first.done.wait(60) and first.updates[-1].finish_reason == "cancelled"
+            assert second.done.wait(120) and second.updates[-1].finish_reason == "stop"
+            with pytest.raises(EngineError, match="exceeds the largest"):
+                eng.submit(prompts[0], max_tokens=65, on_update=lambda u: None)
+            with pytest.raises(EngineError, match="at most"):
+                eng.submit(list(range(10)) * 60, max_tokens=8, on_update=lambda u: None)
+            with pytest.raises(EngineError, match="unknown option"):
+                eng.submit(prompts[0], max_tokens=8, options={"nonsense": 1},
+                           on_update=lambda u: None)
+        finally:
+            eng.shutdown()
+    assert compiled == [], f"{len(compiled)} program(s) compiled while serving"
     assert eng.stats()["slots_busy"] == 0
     np.testing.assert_equal(second.tokens, _expected(model, tok, prompts[1], 64, 64)[0])
 
