@@ -354,8 +354,9 @@ class _Pool:
         else:
             src = np.array(keep + [0] * (b - len(keep)), np.int32)
             valid = np.arange(b) < len(keep)
-            self.state = self.mover(self.size, b)(self.state, jnp.asarray(src),
-                                                  jnp.asarray(valid))
+            # Host arrays, as the chunk program's: jnp.asarray would compile a program
+            # of its own per slot count on first use.
+            self.state = self.mover(self.size, b)(self.state, src, valid)
             self.rows = [self.rows[i] for i in keep] + [None] * (b - len(keep))
             self.pad_len = np.where(valid, self.pad_len[src], 0).astype(np.int32)
             self.limit = np.where(valid, self.limit[src], self.G).astype(np.int32)

@@ -147,6 +147,34 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
     np.testing.assert_equal(second.tokens, _expected(model, tok, prompts[1], 64, 64)[0])
 
 
+def test_rows_moving_between_slot_counts_compile_nothing(tiny):
+    """With every slot count compiled at start (the default), rows admitted and moved
+    between counts (two at once, then one as the other finishes) compile nothing."""
+    model, tok = tiny
+    prompts = ev.prompts_for(tasks.heldout(3))
+    eng = Engine(model, tok, model_name="tiny-llada", slots=2, gen_lengths=(32,), chunk=2,
+                 max_prompt=32, admission_window=0)
+    eng.start()
+    moves = []  # (slots before, slots after) with rows in flight
+    for pool in eng.pools.values():
+        def resize(b, pool=pool, resize=pool.resize):
+            if pool.live and b != pool.size:
+                moves.append((pool.size, b))
+            resize(b)
+
+        pool.resize = resize
+    with backend_compiles() as compiled:
+        try:
+            got = [Collector() for _ in prompts]
+            for p, c in zip(prompts, got):
+                eng.submit(p, max_tokens=32, on_update=c)
+            assert all(c.done.wait(300) for c in got)
+        finally:
+            eng.shutdown()
+    assert (2, 1) in moves, moves  # a row in flight moved from two slots to one
+    assert compiled == [], f"{len(compiled)} program(s) compiled while serving"
+
+
 def test_model_calls_are_counted_by_shape_as_generate_counts_them(tiny):
     """stats()["model_calls"] (what a cost model prices): requests served one at a
     time in a one-slot pool, at generate's prompt bucket, make the calls of their
