@@ -54,6 +54,18 @@ def _expected(model, tok, prompt, gen_length, max_tokens, **options):
     return row[:min(cut, max_tokens)], ("stop" if cut < max_tokens else "length")
 
 
+def _serve(eng, prompts, max_tokens):
+    """Submits every prompt at once (max_tokens: one for all, or one each); their
+    Collectors once all are finished."""
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    got = [Collector() for _ in prompts]
+    for p, m, c in zip(prompts, max_tokens, got):
+        eng.submit(p, max_tokens=m, on_update=c)
+    assert all(c.done.wait(300) for c in got)
+    return got
+
+
 @pytest.mark.parametrize("sampler,options", [("asynclane", {}),
                                              ("fast-dllm", {"cache": "dual"})])
 def test_requests_get_generates_tokens_under_continuous_batching(tiny, sampler, options):
@@ -66,10 +78,7 @@ def test_requests_get_generates_tokens_under_continuous_batching(tiny, sampler, 
     eng.start()
     try:
         max_tokens = [64, 64, 20, 64, 5, 64, 64]
-        got = [Collector() for _ in prompts]
-        for p, m, c in zip(prompts, max_tokens, got):
-            eng.submit(p, max_tokens=m, on_update=c)
-        assert all(c.done.wait(300) for c in got)
+        got = _serve(eng, prompts, max_tokens)
     finally:
         eng.shutdown()
     for p, m, c in zip(prompts, max_tokens, got):
@@ -165,10 +174,7 @@ def test_rows_moving_between_slot_counts_compile_nothing(tiny):
         pool.resize = resize
     with backend_compiles() as compiled:
         try:
-            got = [Collector() for _ in prompts]
-            for p, c in zip(prompts, got):
-                eng.submit(p, max_tokens=32, on_update=c)
-            assert all(c.done.wait(300) for c in got)
+            _serve(eng, prompts, 32)
         finally:
             eng.shutdown()
     assert (2, 1) in moves, moves  # a row in flight moved from two slots to one
@@ -213,10 +219,7 @@ def test_a_llada2_model_is_served_as_generate_decodes_it():
                  gen_lengths=(128,), chunk=3, max_prompt=64, precompile="none")
     eng.start()
     try:
-        got = [Collector() for _ in prompts]
-        for p, c in zip(prompts, got):
-            eng.submit(p, max_tokens=128, on_update=c)
-        assert all(c.done.wait(300) for c in got)
+        got = _serve(eng, prompts, 128)
     finally:
         eng.shutdown()
     for p, c in zip(prompts, got):
