@@ -310,17 +310,15 @@ def _ms(x) -> str:
     return "-" if x is None or x != x else f"{x:.1f}"
 
 
-def repeat_ratios(all_runs: list[dict], clients: int, ref_name: str) -> list[float]:
-    """The server's requests/s at `clients` over the reference's of the same repeat,
-    repeat by repeat (the interleaved ratios)."""
+def repeat_ratios(all_runs: list[dict], clients: int, ref_run: str) -> list[float]:
+    """The server's requests/s at `clients` over that of the run named `ref_run` in the
+    same repeat, repeat by repeat (the interleaved ratios)."""
     by_repeat: dict[int, dict] = {}
     for r in all_runs:
         by_repeat.setdefault(r["repeat"], {})[(r["run"], r["clients"])] = r
     ratios = []
     for runs in by_repeat.values():
-        ref = next((r for (name, c), r in runs.items() if c is None and (
-            name == "sequential generate") == (ref_name == "sequential generate")), None)
-        served = runs.get(("serve", clients))
+        ref, served = runs.get((ref_run, None)), runs.get(("serve", clients))
         if ref is not None and served is not None:
             ratios.append(served["requests_per_s"] / ref["requests_per_s"])
     return ratios
@@ -378,7 +376,7 @@ def to_markdown(rows: list[dict], meta: dict, all_runs: list[dict] | None = None
             lines.append(f"| {clients} | {ref['run']} | not run | - | - | >= {least} | - |")
             continue
         ratio = r["requests_per_s"] / ref["requests_per_s"]
-        each = repeat_ratios(all_runs or [], clients, ref_name) or [ratio]
+        each = repeat_ratios(all_runs or [], clients, ref["run"]) or [ratio]
         median = float(np.median(each))
         lines.append(f"| {clients} | {ref['run']} | {ratio:.2f}x | "
                      f"{', '.join(f'{x:.2f}x' for x in each)} | {median:.2f}x | "

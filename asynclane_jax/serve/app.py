@@ -302,8 +302,9 @@ def create_app(engine, *, default_max_tokens: int | None = None,
         generation bucket).
       server_options: the sampler options the engine was built with (default: its
         `options` attribute), for the seed / temperature rules.
-      drain_timeout: at shutdown, seconds to let in-flight streams finish before they
-        are cut, and the engine's drain timeout (None: no limit).
+      drain_timeout: at shutdown, the engine's drain timeout: seconds the requests in
+        flight get to finish before they are cancelled, their clients told (None: no
+        limit). `cli.serve_app` lets uvicorn cut a stream only past it and a margin.
       manage_engine: start the engine at app startup and shut it down (draining) at app
         shutdown; False when the caller does both.
       security: the API key, the accepted Host names and origins and the body bound

@@ -213,7 +213,9 @@ class _Pool:
         self.abstract: dict[int, object] = {}  # slots -> the state's shapes and placement
         self.placers: dict[int, Callable] = {}
         self.movers: dict[tuple[int, int], Callable] = {}  # (from, to) slots -> move
-        self.blanks: dict[int, jax.Array] = {}  # slots -> an all-mask canvas (`_blank`)
+        # slots -> an all-mask canvas on the devices: the chunk program's canvas_in when
+        # it admits nothing (made with the program, `program`)
+        self.blanks: dict[int, jax.Array] = {}
         # slots -> the chunk program's call shapes, by their slot in state.shape_calls;
         # the state's counters as last read (`_count_calls`).
         self.call_shapes: dict[int, tuple] = {}
@@ -400,7 +402,7 @@ class _Pool:
         if not any(r is not None for r in self.rows) and not retire.any():
             return  # nothing to run
         if canvas_in is None:  # nothing admitted: the program does not read it
-            canvas_in = self._blank(b)
+            canvas_in = self.blanks[b]
         steps = eng.chunk if iterations is None else max(1, min(int(iterations), eng.chunk))
         # Host (numpy) arguments go to the compiled program as they are: it copies them
         # in more cheaply than a jnp.asarray each would on the engine's thread.
@@ -428,11 +430,6 @@ class _Pool:
         for i, shape in enumerate(self.call_shapes[b]):
             if new[i]:
                 counts[shape] = counts.get(shape, 0) + int(new[i])
-
-    def _blank(self, b: int):
-        """An all-mask canvas of b rows on the devices (the chunk program's canvas_in
-        when it admits nothing), made with the program at b slots."""
-        return self.blanks[b]
 
     def fail(self, message: str) -> None:
         """Fails every request of the pool and releases its state."""
