@@ -264,6 +264,7 @@ def main() -> int:
             "requests": args.requests, "trees": trees, "note": args.note, "load": load,
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"}
     out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp_md, tmp_json = out.with_suffix(".md.tmp"), out.with_suffix(".json.tmp")
     tmp_md.write_text(to_markdown(runs, meta))
     tmp_json.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")

@@ -17,7 +17,7 @@
   stream    the streamed response: server-sent events in batches, one write each.
   cli       the `serve` subcommand (entry point `asynclane_jax.commands`), on uvicorn.
 
-FastAPI, uvicorn and prometheus-client are optional:
+FastAPI, uvicorn, httptools and prometheus-client are optional:
 `pip install 'asynclane-jax[serve]'`.
 """
 
@@ -29,7 +29,7 @@ INSTALL_HINT = "pip install 'asynclane-jax[serve]'"
 # Distribution name of each optional module the server imports.
 _DISTRIBUTIONS = {"fastapi": "fastapi", "uvicorn": "uvicorn", "starlette": "fastapi",
                   "httpx": "httpx", "openai": "openai",
-                  "prometheus_client": "prometheus-client"}
+                  "prometheus_client": "prometheus-client", "httptools": "httptools"}
 
 
 def require(module: str):

@@ -265,6 +265,41 @@ def test_headers_must_arrive_in_time(tok):
         srv.stop()
 
 
+def test_headers_are_bounded(tok):
+    """Request line and headers past MAX_HEADER_BYTES get a 400 and a closed connection,
+    whether they come in one piece or many; headers within it are served."""
+    srv = ServerThread(create_app(FakeEngine(tok)), http=cli._header_timeout_protocol(10))
+
+    def ask(pad: int, pieces: int = 1) -> bytes:
+        head = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * pad
+                + b"\r\nConnection: close\r\n\r\n")
+        step = -(-len(head) // pieces)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            for i in range(0, len(head), step):
+                s.sendall(head[i:i + step])
+                if pieces > 1:
+                    time.sleep(0.02)
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+            return reply
+
+    try:
+        for pieces in (1, 4):
+            assert ask(cli.MAX_HEADER_BYTES // 2, pieces).startswith(b"HTTP/1.1 200")
+            big = ask(cli.MAX_HEADER_BYTES + 1024, pieces)
+            assert big.startswith(b"HTTP/1.1 400"), big[:200]
+            assert b"connection: close" in big.lower()
+    finally:
+        srv.stop()
+
+
+def test_serving_needs_httptools(monkeypatch):
+    monkeypatch.setitem(sys.modules, "httptools", None)  # as if not installed
+    with pytest.raises(cli.UsageError, match=r"serving needs httptools: pip install"):
+        cli._header_timeout_protocol(1)
+
+
 # ------------------------------------------------------------ 5. every bad body a 400
 
 DEEP = "[" * 100_000 + "]" * 100_000
