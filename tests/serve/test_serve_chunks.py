@@ -50,7 +50,7 @@ def test_a_chunk_ends_at_the_iteration_that_completes_an_answer(setup):
     no = np.zeros(2, bool)
 
     def run(state, admit, canvas_in, pad, limit):
-        return chunk(eng.params, state, jnp.asarray(pad), jnp.asarray(admit),
+        return chunk(eng.param_leaves, state, jnp.asarray(pad), jnp.asarray(admit),
                      jnp.asarray(canvas_in), jnp.asarray(no), jnp.asarray(BOUND, jnp.int32),
                      pool.operands, traced, jnp.asarray(limit, jnp.int32))
 
