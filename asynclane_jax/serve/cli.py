@@ -107,6 +107,11 @@ def register(subparsers) -> None:
                         "default: no request waits for a compile), at --slots only "
                         "(largest: a pool then compiles a smaller count when it first "
                         "runs one), or none")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="at start, run each precompiled program once down the paths a "
+                        "load takes (admissions of 1, 2, 4, ... rows, a chunk of decoding, "
+                        "the moves between slot counts), so that the first requests do not "
+                        "pay for those first runs (default on)")
     p.add_argument("--allow-options", action="append", default=None,
                    metavar="KEY=VALUE[,KEY=VALUE]",
                    help="a further configuration of the sampler's structural options that "
@@ -269,7 +274,8 @@ def run(args) -> int:
                         max_prompt=args.max_prompt, prompt_lengths=prompt_lengths,
                         compile_cache=getattr(args, "compile_cache", None),
                         kv_budget=kv_budget, max_pools=args.max_pools,
-                        precompile=args.precompile, allow_options=allow)
+                        precompile=args.precompile, warm_up=args.warm_up,
+                        allow_options=allow)
         app = create_app(engine, default_max_tokens=args.default_max_tokens,
                          server_options=options, drain_timeout=args.drain_timeout,
                          security=security, max_prompt_chars=args.max_prompt_chars)

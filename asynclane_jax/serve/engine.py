@@ -321,6 +321,38 @@ class _Pool:
         self.movers[(a, b)] = lambda *args: place(fn(*args))
         return self.movers[(a, b)]
 
+    def warm(self, sizes) -> None:
+        """Runs each program at `sizes` slots down the paths a load takes, on a state of
+        its own (the pool's rows and counters untouched): 1, 2, 4, ... rows admitted at
+        once (each count's full forward is a branch of the program) and decoded for a
+        chunk, their retirement, and the moves between the sizes. A program's first run
+        down a path costs many times a later one on this CPU (50-90 ms against 4-23 for
+        an admission at tiny-llada's shapes), so without this the first requests after
+        start pay for it."""
+        eng, cfg = self.engine, self.engine.cfg
+        canvas, pad, _ = build_canvas([eng.warm_prompt()[:self.P]], self.G, cfg, self.P)
+        states = {}
+        for b in sizes:
+            init, fn = self.program(b)
+            state = init(eng.params, jax.random.key(eng.seed), self.operands)
+            limit = np.full(b, self.G, np.int32)
+            pads = np.full(b, pad[0], np.int32)
+            rows = np.broadcast_to(canvas[0], (b, self.T)).copy()
+            traced = ({n: np.full(b, d, np.float32) for n, d in self.defaults.items()}
+                      if self.defaults else None)
+            none = np.zeros(b, bool)
+            for j in (*driver.mix_buckets(b), b):
+                admit = np.arange(b) < j
+                for adm, ret, steps in ((admit, none, eng.chunk), (none, admit, 0)):
+                    state = fn(eng.param_leaves, state, pads, adm, rows, ret,
+                               np.int32(steps), self.operands, traced, limit)
+            states[b] = jax.block_until_ready(state)
+        for a in sizes:
+            for b in sizes:
+                if a != b:
+                    src, valid = np.zeros(b, np.int32), np.zeros(b, bool)
+                    jax.block_until_ready(self.mover(a, b)(states[a], src, valid))
+
     def _traced_args(self, b: int | None = None):
         """The slots' traced option values as the chunk program's argument (None: the
         schedule has none); with b, their shapes only."""
@@ -528,6 +560,8 @@ class Engine:
         are dropped, least recently used first.
       precompile: at start, compile the default pools at every slot count ("all"), at
         the largest only ("largest"), or none ("none": on first use).
+      warm_up: at start, also run each precompiled program once down each of its paths
+        (`_Pool.warm`), so that the first requests do not pay for their first runs.
       admission_window: after a chunk that finished requests while other rows decode on
         and nobody waits, for up to this many seconds (or until as many new requests
         arrived) the pool's chunks are one iteration long, so a request that arrives
@@ -542,7 +576,7 @@ class Engine:
                  queue_size: int = 64, max_prompt: int | None = None,
                  prompt_lengths: Sequence[int] | None = None, seed: int = 0,
                  compile_cache: str | None = None, kv_budget: int | str | None = None,
-                 max_pools: int = 32, precompile: str = "all",
+                 max_pools: int = 32, precompile: str = "all", warm_up: bool = True,
                  admission_window: float = ADMISSION_WINDOW_S,
                  allow_options: Sequence[dict] | None = None):
         if compile_cache:
@@ -571,6 +605,7 @@ class Engine:
         self.slots, self.chunk, self.queue_size, self.seed = slots, chunk, queue_size, seed
         self.slot_buckets = budget_lib.slot_buckets(int(slots))
         self.max_pools, self.precompile = int(max_pools), precompile
+        self.warm_up = bool(warm_up)
         self.admission_window = float(admission_window)
         self._expected = 0  # requests expected in the open admission window
         self._window_end = 0.0
@@ -618,6 +653,20 @@ class Engine:
                 self._check_fits((structure, g, self.prompt_lengths[-1]))
 
     # -- public -------------------------------------------------------------------------
+    def warm_prompt(self) -> list[int]:
+        """The prompt `_Pool.warm` decodes: a short question through the tokenizer's chat
+        template (or the tokenizer alone), so that rows decode for a while as requests'
+        rows do; [0] without a tokenizer."""
+        tok, text = self.tokenizer, "x = 4 y = 9 (1) y = x + 3 print y"
+        try:
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=False)
+                return list(tok.encode(text, add_special_tokens=False)) or [0]
+            return list(tok.encode(text)) or [0]
+        except Exception:  # no tokenizer, or one that cannot: any prompt warms the paths
+            return [0]
+
     def bucket(self, max_tokens: int) -> int:
         """The generation bucket a request of max_tokens runs at."""
         if max_tokens < 1:
@@ -641,6 +690,8 @@ class Engine:
                     for b in sizes:
                         if a != b:
                             pool.mover(a, b)
+                if sizes and self.warm_up:
+                    pool.warm(sizes)
         self._emitter = _Emitter(self)
         self._accepting = self._running = True
         self._thread = threading.Thread(target=self._loop, name="asynclane-engine",

@@ -15,7 +15,7 @@ import pytest
 import asynclane_jax as aj
 from asynclane_jax.decoding import generate
 from asynclane_jax.decoding.stats import CallShape
-from asynclane_jax.serve.engine import Engine, EngineError, QueueFull
+from asynclane_jax.serve.engine import Engine, EngineError, QueueFull, _Pool
 from asynclane_jax.testbed import evaluate as ev
 from asynclane_jax.testbed import tasks
 
@@ -109,16 +109,36 @@ def backend_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
+def record_chunks(monkeypatch) -> list:
+    """Each run of a chunk program from now on, as (slots, rows admitted, rows retired,
+    iterations asked)."""
+    runs = []
+    program = _Pool.program
+
+    def spy(self, b):
+        init, fn = program(self, b)
+
+        def run(*a):
+            runs.append((b, int(np.sum(a[3])), int(np.sum(a[5])), int(a[6])))
+            return fn(*a)
+        return init, run
+
+    monkeypatch.setattr(_Pool, "program", spy)
+    return runs
+
+
+def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny, monkeypatch):
     model, tok = tiny
     prompts = ev.prompts_for(tasks.heldout(3))
     # The default precompile ("all": every slot count of every bucket at start), here
-    # where it is one program.
+    # where it is one program; no warm-up.
     eng = Engine(model, tok, model_name="tiny-llada", slots=1, gen_lengths=(64,), chunk=1,
-                 queue_size=1, max_prompt=64)
+                 queue_size=1, max_prompt=64, warm_up=False)
     with pytest.raises(EngineError, match="not running"):
         eng.submit(prompts[0], max_tokens=8, on_update=lambda u: None)
+    runs = record_chunks(monkeypatch)
     eng.start()
+    assert runs == []  # warm_up=False: no program ran at start
     # Serving compiles nothing once started: chunks that admit and chunks that do not
     # (whose all-mask canvas is made with the program), cancels, refusals.
     with backend_compiles() as compiled:
@@ -156,14 +176,23 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny):
     np.testing.assert_equal(second.tokens, _expected(model, tok, prompts[1], 64, 64)[0])
 
 
-def test_rows_moving_between_slot_counts_compile_nothing(tiny):
+def test_rows_moving_between_slot_counts_compile_nothing(tiny, monkeypatch):
     """With every slot count compiled at start (the default), rows admitted and moved
-    between counts (two at once, then one as the other finishes) compile nothing."""
+    between counts (two at once, then one as the other finishes) compile nothing. The
+    warm-up at start (the default) runs each program down its paths and leaves the
+    pools as they were."""
     model, tok = tiny
     prompts = ev.prompts_for(tasks.heldout(3))
     eng = Engine(model, tok, model_name="tiny-llada", slots=2, gen_lengths=(32,), chunk=2,
                  max_prompt=32, admission_window=0)
+    runs = record_chunks(monkeypatch)
     eng.start()
+    # At each slot count, 1, 2, ... rows admitted at once and decoded for a chunk (each
+    # count's full forward is a path of its own), then retired.
+    assert runs == [(1, 1, 0, 2), (1, 0, 1, 0), (2, 1, 0, 2), (2, 0, 1, 0), (2, 2, 0, 2),
+                    (2, 0, 2, 0)]
+    assert eng.chunks == 0 and eng.stats()["model_calls"] == []
+    assert all(p.size == 0 and p.state is None and p.live == 0 for p in eng.pools.values())
     moves = []  # (slots before, slots after) with rows in flight
     for pool in eng.pools.values():
         def resize(b, pool=pool, resize=pool.resize):
