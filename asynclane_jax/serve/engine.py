@@ -15,7 +15,10 @@ iteration while the rows in flight keep decoding, instead of waiting for a whole
 canvas back and frees the rows that are done; a second host thread (the emitter)
 detokenizes and hands each request the text its contiguous committed prefix gained (a
 diffusion LM commits out of order: a token is sent only when every token before it is
-committed, and never again), while the engine's thread runs the next chunk.
+committed, and never again), while the engine's thread runs the next chunk. At start the
+default pools' programs are compiled at every slot count (`precompile`) and run once
+down the paths a load takes (`warm_up`, `_Pool.warm`): a program's first run down a path
+costs many times a later one, which the first requests would otherwise pay.
 
 Per-request options. A sampler's traced options (`Schedule.traced_options`: thresholds)
 change no shape of its program: each row's values are per-row arguments of the pool's
