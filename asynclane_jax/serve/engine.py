@@ -333,8 +333,7 @@ class _Pool:
         an admission at tiny-llada's shapes), so without this the first requests after
         start pay for it."""
         eng, cfg = self.engine, self.engine.cfg
-        canvas, pad, _ = build_canvas([eng.warm_prompt()[:self.P]], self.G, cfg, self.P)
-        states = {}
+        canvas, pad, _ = build_canvas([eng._warm_prompt()[:self.P]], self.G, cfg, self.P)
         for b in sizes:
             init, fn = self.program(b)
             state = init(eng.params, jax.random.key(eng.seed), self.operands)
@@ -349,12 +348,14 @@ class _Pool:
                 for adm, ret, steps in ((admit, none, eng.chunk), (none, admit, 0)):
                     state = fn(eng.param_leaves, state, pads, adm, rows, ret,
                                np.int32(steps), self.operands, traced, limit)
-            states[b] = jax.block_until_ready(state)
-        for a in sizes:
-            for b in sizes:
-                if a != b:
-                    src, valid = np.zeros(b, np.int32), np.zeros(b, bool)
-                    jax.block_until_ready(self.mover(a, b)(states[a], src, valid))
+            # The moves from this size, one at a time: at most two states are held at
+            # once, as when rows move while serving.
+            for c in sizes:
+                if c != b:
+                    src, valid = np.zeros(c, np.int32), np.zeros(c, bool)
+                    jax.block_until_ready(self.mover(b, c)(state, src, valid))
+            jax.block_until_ready(state)
+            del state
 
     def _traced_args(self, b: int | None = None):
         """The slots' traced option values as the chunk program's argument (None: the
@@ -656,20 +657,6 @@ class Engine:
                 self._check_fits((structure, g, self.prompt_lengths[-1]))
 
     # -- public -------------------------------------------------------------------------
-    def warm_prompt(self) -> list[int]:
-        """The prompt `_Pool.warm` decodes: a short question through the tokenizer's chat
-        template (or the tokenizer alone), so that rows decode for a while as requests'
-        rows do; [0] without a tokenizer."""
-        tok, text = self.tokenizer, "x = 4 y = 9 (1) y = x + 3 print y"
-        try:
-            if getattr(tok, "chat_template", None):
-                text = tok.apply_chat_template([{"role": "user", "content": text}],
-                                               add_generation_prompt=True, tokenize=False)
-                return list(tok.encode(text, add_special_tokens=False)) or [0]
-            return list(tok.encode(text)) or [0]
-        except Exception:  # no tokenizer, or one that cannot: any prompt warms the paths
-            return [0]
-
     def bucket(self, max_tokens: int) -> int:
         """The generation bucket a request of max_tokens runs at."""
         if max_tokens < 1:
@@ -883,6 +870,20 @@ class Engine:
                 f"{budget_lib.size_text(shape.bytes(1))} of decode state, more than this "
                 f"server's whole budget ({budget_lib.size_text(self.kv_budget)}); ask for "
                 "fewer max_tokens")
+
+    def _warm_prompt(self) -> list[int]:
+        """The prompt `_Pool.warm` decodes: a short question through the tokenizer's chat
+        template (or the tokenizer alone), so that rows decode for a while as requests'
+        rows do; [0] without a tokenizer."""
+        tok, text = self.tokenizer, "x = 4 y = 9 (1) y = x + 3 print y"
+        try:
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                               add_generation_prompt=True, tokenize=False)
+                return list(tok.encode(text, add_special_tokens=False)) or [0]
+            return list(tok.encode(text)) or [0]
+        except Exception:  # no tokenizer, or one that cannot: any prompt warms the paths
+            return [0]
 
     def _pool(self, key) -> _Pool:
         if key not in self.pools:

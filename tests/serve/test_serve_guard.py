@@ -247,6 +247,13 @@ def test_help_describes_the_security_flags(capsys):
         assert flag in out, flag
 
 
+def test_warm_up_is_on_unless_turned_off():
+    from asynclane_jax.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).warm_up is True
+    assert build_parser().parse_args(["serve", "--no-warm-up"]).warm_up is False
+
+
 def test_headers_must_arrive_in_time(tok):
     srv = ServerThread(create_app(FakeEngine(tok)), http=cli._header_timeout_protocol(0.5),
                        timeout_keep_alive=1)
