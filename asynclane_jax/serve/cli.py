@@ -428,7 +428,7 @@ def serve_app(app, *, host: str, port: int, log_level: str = "info",
     graceful = None if drain_timeout is None else drain_timeout + DRAIN_MARGIN_S
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=graceful, lifespan="on",
-                            http=_header_timeout_protocol(header_timeout),
+                            http=_guarded_http_protocol(header_timeout),
                             timeout_keep_alive=keep_alive_timeout)
 
     class Server(uvicorn.Server):
@@ -447,7 +447,8 @@ def serve_app(app, *, host: str, port: int, log_level: str = "info",
 MAX_HEADER_BYTES = 16 * 1024
 
 
-def _header_timeout_protocol(timeout: float, max_header_bytes: int = MAX_HEADER_BYTES):
+def _guarded_http_protocol(timeout: float,
+                           max_header_bytes: int = MAX_HEADER_BYTES):
     """uvicorn's httptools protocol (its C parser, which costs less CPU per request than
     h11's pure Python), closing a connection whose request headers have not all arrived
     within `timeout` seconds of its start or of its previous response (uvicorn itself

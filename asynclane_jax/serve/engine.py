@@ -324,16 +324,16 @@ class _Pool:
         self.movers[(a, b)] = lambda *args: place(fn(*args))
         return self.movers[(a, b)]
 
-    def warm(self, sizes) -> None:
+    def warm(self, sizes, prompt: Sequence[int]) -> None:
         """Runs each program at `sizes` slots down the paths a load takes, on a state of
         its own (the pool's rows and counters untouched): 1, 2, 4, ... rows admitted at
         once (each count's full forward is a branch of the program) and decoded for a
-        chunk, their retirement, and the moves between the sizes. A program's first run
-        down a path costs many times a later one on this CPU (50-90 ms against 4-23 for
-        an admission at tiny-llada's shapes), so without this the first requests after
-        start pay for it."""
+        chunk (`prompt` in every row), their retirement, and the moves between the
+        sizes. A program's first run down a path costs many times a later one on this
+        CPU (50-90 ms against 4-23 for an admission at tiny-llada's shapes), so without
+        this the first requests after start pay for it."""
         eng, cfg = self.engine, self.engine.cfg
-        canvas, pad, _ = build_canvas([eng._warm_prompt()[:self.P]], self.G, cfg, self.P)
+        canvas, pad, _ = build_canvas([list(prompt)[:self.P]], self.G, cfg, self.P)
         for b in sizes:
             init, fn = self.program(b)
             state = init(eng.params, jax.random.key(eng.seed), self.operands)
@@ -671,6 +671,7 @@ class Engine:
         """Compiles the default pools (`precompile`) and starts the engine's threads."""
         sizes = {"all": self.slot_buckets, "largest": self.slot_buckets[-1:],
                  "none": ()}[self.precompile]
+        prompt = self._warm_prompt() if sizes and self.warm_up else None
         for g in self.gen_lengths:
             for n in self.prompt_lengths:
                 pool = self._pool(self._key(None, g, n))
@@ -680,8 +681,8 @@ class Engine:
                     for b in sizes:
                         if a != b:
                             pool.mover(a, b)
-                if sizes and self.warm_up:
-                    pool.warm(sizes)
+                if prompt is not None:
+                    pool.warm(sizes, prompt)
         self._emitter = _Emitter(self)
         self._accepting = self._running = True
         self._thread = threading.Thread(target=self._loop, name="asynclane-engine",
@@ -872,9 +873,9 @@ class Engine:
                 "fewer max_tokens")
 
     def _warm_prompt(self) -> list[int]:
-        """The prompt `_Pool.warm` decodes: a short question through the tokenizer's chat
-        template (or the tokenizer alone), so that rows decode for a while as requests'
-        rows do; [0] without a tokenizer."""
+        """The prompt `_Pool.warm` decodes (made once per start): a short question
+        through the tokenizer's chat template (or the tokenizer alone), so that rows
+        decode for a while as requests' rows do; [0] without a tokenizer."""
         tok, text = self.tokenizer, "x = 4 y = 9 (1) y = x + 3 print y"
         try:
             if getattr(tok, "chat_template", None):

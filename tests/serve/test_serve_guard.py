@@ -255,7 +255,7 @@ def test_warm_up_is_on_unless_turned_off():
 
 
 def test_headers_must_arrive_in_time(tok):
-    srv = ServerThread(create_app(FakeEngine(tok)), http=cli._header_timeout_protocol(0.5),
+    srv = ServerThread(create_app(FakeEngine(tok)), http=cli._guarded_http_protocol(0.5),
                        timeout_keep_alive=1)
     try:
         for sent in (b"", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
@@ -275,7 +275,7 @@ def test_headers_must_arrive_in_time(tok):
 def test_headers_are_bounded(tok):
     """Request line and headers past MAX_HEADER_BYTES get a 400 and a closed connection,
     whether they come in one piece or many; headers within it are served."""
-    srv = ServerThread(create_app(FakeEngine(tok)), http=cli._header_timeout_protocol(10))
+    srv = ServerThread(create_app(FakeEngine(tok)), http=cli._guarded_http_protocol(10))
 
     def ask(pad: int, pieces: int = 1) -> bytes:
         head = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * pad
@@ -304,7 +304,7 @@ def test_headers_are_bounded(tok):
 def test_serving_needs_httptools(monkeypatch):
     monkeypatch.setitem(sys.modules, "httptools", None)  # as if not installed
     with pytest.raises(cli.UsageError, match=r"serving needs httptools: pip install"):
-        cli._header_timeout_protocol(1)
+        cli._guarded_http_protocol(1)
 
 
 # ------------------------------------------------------------ 5. every bad body a 400
