@@ -9,19 +9,20 @@ real uvicorn configuration (`serve.cli.serve_app`) in a subprocess, over a stand
 engine that answers every request with --updates updates (four tokens of text each, one
 round every --tick seconds for all requests in flight, from a thread of its own, as the
 engine's emitter does), and the model's tokenizer and chat template. --clients asyncio
-clients (aiohttp, as serve_load's) each send --requests streaming chat completions one
-after another. Per run: requests/s, the server's and this process's CPU ms per request,
-and the events per request.
+clients (serve_load's load client, --client: raw, aiohttp or httpx) each send --requests
+streaming chat completions one after another. Per run: requests/s, the server's and this
+process's CPU ms per request, and the events per request.
 
 With --roots A,B (two checkouts of this repository) both servers run, each on its own
 tree's code, and the runs alternate A, B, B, A, ... (--pairs pairs), so a change's
-effect is read pair by pair on the same machine state. This script itself needs only
-the current tree.
+effect is read pair by pair on the same machine state. With --client raw,aiohttp the
+load clients alternate the same way (over each tree). This script itself needs only the
+current tree.
 
 Results: experiments/results/serve/http_cost.md and .json.
 
 Usage: python experiments/serve_http_cost.py [--roots .] [--pairs 4] [--clients 8]
-       [--requests 32] [--updates 8] [--note TEXT]
+       [--requests 32] [--updates 8] [--client raw] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -136,30 +137,31 @@ def start(root: pathlib.Path, updates: int, tick: float):
         time.sleep(0.3)
 
 
-def measure(url: str, pid: int, texts: list[str], clients: int, per: int) -> dict:
-    """One load run: requests/s, CPU ms per request (server, this process), events per
-    request."""
+def measure(url: str, pid: int, texts: list[str], clients: int, per: int,
+            kind: str) -> dict:
+    """One load run with the load client `kind` (serve_load's): requests/s, CPU ms per
+    request (server, this process), events per request."""
     import serve_load
 
     events = [0]
     read = serve_load._chunk_line
 
-    def counting(line, state, t0):
+    def counting(line, state, t0, at=None):
         events[0] += line.startswith("data: ")
-        return read(line, state, t0)
+        return read(line, state, t0, at)
 
     serve_load._chunk_line = counting
     try:
-        cpu0, own0 = serve_load.cpu_seconds(pid), serve_load.cpu_seconds()
-        records, wall = asyncio.run(serve_load.load_run(url, "tiny-llada", texts, clients,
-                                                        per, 128, 300, "aiohttp"))
-        cpu1, own1 = serve_load.cpu_seconds(pid), serve_load.cpu_seconds()
+        cpu0 = serve_load.cpu_seconds(pid)
+        records, wall, own = asyncio.run(serve_load.load_run(
+            url, "tiny-llada", texts, clients, per, 128, 300, kind))
+        cpu1 = serve_load.cpu_seconds(pid)
     finally:
         serve_load._chunk_line = read
     n = len(records)
     return {"requests": n, "wall_s": wall, "requests_per_s": n / wall,
             "server_cpu_ms_per_request": 1000 * (cpu1 - cpu0) / n,
-            "client_cpu_ms_per_request": 1000 * (own1 - own0) / n,
+            "client_cpu_ms_per_request": 1000 * own / n,
             "events_per_request": events[0] / n}
 
 
@@ -172,33 +174,39 @@ def commit_of(root: pathlib.Path) -> str:
 
 
 def to_markdown(runs: list[dict], meta: dict) -> str:
+    kinds = meta.get("clients_kinds", ["aiohttp"])
     lines = ["# The HTTP path's own cost: CPU per streamed request, no model", "",
              f"Command: `{meta['command']}`", "",
              f"The real app and uvicorn over an engine that costs nothing "
              f"(experiments/serve_http_cost.py): each request gets {meta['updates']} updates "
-             f"of four tokens, a round every {meta['tick']} s; {meta['clients']} aiohttp "
-             f"clients each send {meta['requests']} streaming chat completions one after "
+             f"of four tokens, a round every {meta['tick']} s; {meta['clients']} clients "
+             f"(the load client: {' and '.join(kinds)}; experiments/serve_load.py) each send "
+             f"{meta['requests']} streaming chat completions one after "
              f"another (the testbed's held-out prompts, the tiny-llada tokenizer's chat "
-             f"template). Runs alternate between the trees (A B, then B A). "
+             f"template). Runs alternate between the variants (in order, then reversed). "
              f"{meta['machine']}; load average {meta['load']} before the run.", "",
-             "| pair | tree | commit | requests/s | server CPU ms / request | "
+             "| pair | tree | commit | client | requests/s | server CPU ms / request | "
              "this process (clients) CPU ms / request | events / request |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['pair']} | {r['tree']} | {r['commit']} | "
+                     f"{r.get('client', 'aiohttp')} | "
                      f"{r['requests_per_s']:.0f} | {r['server_cpu_ms_per_request']:.2f} | "
                      f"{r['client_cpu_ms_per_request']:.2f} | "
                      f"{r['events_per_request']:.1f} |")
     lines += ["", "Medians over the pairs:", "",
-              "| tree | commit | requests/s | server CPU ms / request | clients CPU ms / "
-              "request |", "|---|---|---|---|---|"]
+              "| tree | commit | client | requests/s | server CPU ms / request | clients CPU "
+              "ms / request |", "|---|---|---|---|---|---|"]
     for tree in meta["trees"]:
-        rs = [r for r in runs if r["tree"] == tree]
-        med = {k: statistics.median(r[k] for r in rs) for k in
-               ("requests_per_s", "server_cpu_ms_per_request", "client_cpu_ms_per_request")}
-        lines.append(f"| {tree} | {rs[0]['commit']} | {med['requests_per_s']:.0f} | "
-                     f"{med['server_cpu_ms_per_request']:.2f} | "
-                     f"{med['client_cpu_ms_per_request']:.2f} |")
+        for kind in kinds:
+            rs = [r for r in runs if r["tree"] == tree and r.get("client", "aiohttp") == kind]
+            med = {k: statistics.median(r[k] for r in rs) for k in
+                   ("requests_per_s", "server_cpu_ms_per_request",
+                    "client_cpu_ms_per_request")}
+            lines.append(f"| {tree} | {rs[0]['commit']} | {kind} | "
+                         f"{med['requests_per_s']:.0f} | "
+                         f"{med['server_cpu_ms_per_request']:.2f} | "
+                         f"{med['client_cpu_ms_per_request']:.2f} |")
     if meta["note"]:
         lines += ["", f"Note: {meta['note']}"]
     return "\n".join(lines) + "\n"
@@ -214,6 +222,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=32, help="requests per client")
     ap.add_argument("--updates", type=int, default=8, help="updates per request")
     ap.add_argument("--tick", type=float, default=0.002, help="seconds between rounds")
+    ap.add_argument("--client", default="raw",
+                    help="comma-separated load clients (serve_load's: raw, aiohttp, httpx)")
     ap.add_argument("--out", default=str(RESULTS / "http_cost"), help="results stem")
     ap.add_argument("--note", default="")
     ap.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)
@@ -226,6 +236,9 @@ def main() -> int:
             ap.error(f"--{name} must be at least 1")
     if args.clients * args.requests > 512:
         ap.error("at most 512 requests per run")
+    kinds = args.client.split(",")
+    if not kinds or any(k not in ("raw", "aiohttp", "httpx") for k in kinds):
+        ap.error(f"--client {args.client}: expected raw, aiohttp or httpx, comma-separated")
     roots = [pathlib.Path(r).resolve() for r in args.roots.split(",")]
     for r in roots:
         if not (r / "asynclane_jax" / "serve" / "app.py").is_file():
@@ -241,18 +254,18 @@ def main() -> int:
         for root in roots:
             servers.append(start(root, args.updates, args.tick))
         for url, _ in servers:  # warm-up: the first connection and request
-            asyncio.run(serve_load.load_run(url, "tiny-llada", texts[:args.clients],
-                                            args.clients, 1, 128, 300, "aiohttp"))
+            for kind in kinds:
+                asyncio.run(serve_load.load_run(url, "tiny-llada", texts[:args.clients],
+                                                args.clients, 1, 128, 300, kind))
         runs = []
+        variants = [(i, kind) for i in range(len(roots)) for kind in kinds]
         for pair in range(args.pairs):
-            order = list(range(len(roots)))
-            if pair % 2:
-                order.reverse()
-            for i in order:
+            order = variants[::-1] if pair % 2 else variants
+            for i, kind in order:
                 url, proc = servers[i]
-                row = measure(url, proc.pid, texts, args.clients, args.requests)
+                row = measure(url, proc.pid, texts, args.clients, args.requests, kind)
                 row.update(pair=pair, tree=trees[i], root=str(roots[i]),
-                           commit=commit_of(roots[i]))
+                           commit=commit_of(roots[i]), client=kind)
                 runs.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -261,7 +274,8 @@ def main() -> int:
             proc.wait()
     meta = {"command": "python experiments/serve_http_cost.py " + shlex.join(sys.argv[1:]),
             "updates": args.updates, "tick": args.tick, "clients": args.clients,
-            "requests": args.requests, "trees": trees, "note": args.note, "load": load,
+            "requests": args.requests, "trees": trees, "clients_kinds": kinds,
+            "note": args.note, "load": load,
             "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

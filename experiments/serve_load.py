@@ -3,8 +3,9 @@
 
 Starts `asynclane-jax serve` on a free port of 127.0.0.1 (a subprocess; the model, the
 sampler at its defaults, --slots, one generation bucket --max-tokens), waits for it to
-compile, then for each concurrency C in --clients runs C asyncio clients (aiohttp, or
-httpx with --client httpx), each sending --requests chat completions one after another
+compile, then for each concurrency C in --clients runs C asyncio clients (by default a
+minimal client on asyncio's streams, whose events are parsed once the run is over:
+`RawConnection`; or aiohttp, or httpx), each sending --requests chat completions one after another
 with stream=true. Per request it records the time to the first content delta (TTFT),
 the time to `data: [DONE]` (the latency) and the completion tokens (the final chunk's
 usage); per run, the CPU time of the server process and of this one. The baseline is this
@@ -28,7 +29,7 @@ machine).
 
 Usage: python experiments/serve_load.py [--model tiny-llada] [--slots 8]
        [--clients 1,8,16] [--requests 8] [--max-tokens 128] [--chunk 8] [--max-prompt 32]
-       [--repeats 3] [--client aiohttp|httpx] [--note TEXT]
+       [--repeats 3] [--client raw|aiohttp|httpx] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ import time
 import numpy as np
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "serve"
+# What the results say of the load clients.
+CLIENT_NOTE = ("raw: one keep-alive connection per client on asyncio's streams, the events "
+               "kept as received and parsed after the run, so that the load takes as little "
+               "as it can of the two cores the server decodes on; aiohttp and httpx parse "
+               "each event as it comes")
 # Issue 44's targets on requests/s: (clients, the reference run, the least ratio).
 TARGETS = ((1, "sequential generate", 0.9), (8, "batched", 0.95), (16, "batched", 0.95))
 # The chips (and weights) each run's model calls are priced on (`project`).
@@ -178,8 +184,9 @@ def project(rows: list[dict], model: str) -> None:
                 chip, cfg, counts, weights=weights) for chip, weights in CHIPS}
 
 
-def _chunk_line(line: str, state: dict, t0: float) -> bool:
-    """Reads one server-sent-event line into `state`; whether it was `[DONE]`."""
+def _chunk_line(line: str, state: dict, t0: float, at: float | None = None) -> bool:
+    """Reads one server-sent-event line into `state`; whether it was `[DONE]`. `at`: when
+    the line arrived (default: now)."""
     if not line.startswith("data: "):
         return False
     data = line[6:]
@@ -190,7 +197,7 @@ def _chunk_line(line: str, state: dict, t0: float) -> bool:
         raise RuntimeError(chunk["error"]["message"])
     piece = chunk["choices"][0]["delta"].get("content") or ""
     if piece and state["ttft"] is None:
-        state["ttft"] = time.perf_counter() - t0
+        state["ttft"] = (time.perf_counter() if at is None else at) - t0
     state["parts"].append(piece)
     if chunk.get("usage"):
         state["tokens"] = chunk["usage"]["completion_tokens"]
@@ -203,6 +210,10 @@ async def one_request(client, kind: str, url: str, text: str, max_tokens: int,
             "max_tokens": max_tokens, "stream": True}
     t0 = time.perf_counter()
     state = {"ttft": None, "parts": [], "tokens": 0}
+    if kind == "raw":  # read once the run is over (`_parse_raw`)
+        pieces, end = await client.post_stream("/v1/chat/completions",
+                                               json.dumps(body).encode())
+        return {"t0": t0, "pieces": pieces, "end": end, "prompt": text}
     if kind == "httpx":
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
@@ -219,11 +230,94 @@ async def one_request(client, kind: str, url: str, text: str, max_tokens: int,
             "tokens": state["tokens"], "text": "".join(state["parts"]), "prompt": text}
 
 
+def _parse_raw(record: dict) -> dict:
+    """A raw client's record (the stream's pieces as received) as one_request's."""
+    state = {"ttft": None, "parts": [], "tokens": 0}
+    if not _read_lines(record["pieces"], state, record["t0"]):
+        raise RuntimeError("a stream ended without [DONE]")
+    return {"latency": record["end"] - record["t0"], "ttft": state["ttft"],
+            "tokens": state["tokens"], "text": "".join(state["parts"]),
+            "prompt": record["prompt"]}
+
+
+def _read_lines(pieces: list[tuple[float, bytes]], state: dict, t0: float) -> bool:
+    """Reads a stream's body, received as (arrival time, bytes) pieces, line by line into
+    `state` (each line at the time of the piece that completed it); whether it held
+    `[DONE]`."""
+    buf = b""
+    for at, data in pieces:
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if _chunk_line(line.decode().rstrip("\r"), state, t0, at):
+                return True
+    return False
+
+
+class RawConnection:
+    """The lightest load client: one keep-alive HTTP/1.1 connection on asyncio's streams
+    per client. It sends a request as prepared bytes and reads the chunked response's
+    pieces with their arrival times, and nothing more while the load runs; the events
+    are parsed (`_parse_raw`) once the run is over. On this 2-core machine the load's
+    client shares the cores with the server and its decode, so its CPU per request is
+    taken from the server under test (about a third of aiohttp's here:
+    experiments/results/serve/load_client.md)."""
+
+    def __init__(self, url: str):
+        host, port = url.split("://", 1)[1].rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self.reader = self.writer = None
+
+    async def open(self) -> RawConnection:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            with contextlib.suppress(OSError):
+                await self.writer.wait_closed()
+
+    async def post_stream(self, path: str, body: bytes) -> tuple[list[tuple[float, bytes]],
+                                                                  float]:
+        """POSTs a JSON body; the response body's pieces (arrival time, bytes) and when
+        it ended. Raises RuntimeError on a status other than 200."""
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        status = int(head.split(" ", 2)[1])
+        headers = dict(line.split(":", 1) for line in head.split("\r\n")[1:] if ":" in line)
+        headers = {k.strip().lower(): v.strip() for k, v in headers.items()}
+        if headers.get("transfer-encoding", "").lower() != "chunked":
+            data = await self.reader.readexactly(int(headers.get("content-length", 0)))
+            raise RuntimeError(f"HTTP {status}: {data[:500].decode(errors='replace')}")
+        pieces = []
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")  # the (empty) trailer's end
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: "
+                                       + b"".join(p for _, p in pieces)[:500].decode())
+                return pieces, time.perf_counter()
+            data = await self.reader.readexactly(size + 2)
+            pieces.append((time.perf_counter(), data[:-2]))
+
+
 @contextlib.asynccontextmanager
 async def http_client(kind: str, url: str, clients: int, timeout: float):
-    """The load's HTTP client: aiohttp (the default: about a third of httpx's CPU time
-    per streamed request, CPU this process takes from the server on a small machine)
-    or httpx."""
+    """The load's HTTP client: raw (the default: `RawConnection`), aiohttp (about a
+    third of httpx's CPU time per streamed request) or httpx."""
+    if kind == "raw":
+        conns = [await RawConnection(url).open() for _ in range(clients)]
+        try:
+            yield conns  # one per client
+        finally:
+            for c in conns:
+                await c.close()
+        return
     if kind == "httpx":
         import httpx
 
@@ -254,20 +348,26 @@ def cpu_seconds(pid: int | None = None) -> float:
 
 async def load_run(url: str, model: str, texts: list[str], clients: int, per_client: int,
                    max_tokens: int, timeout: float,
-                   kind: str = "aiohttp") -> tuple[list[dict], float]:
+                   kind: str = "aiohttp") -> tuple[list[dict], float, float]:
+    """One load run: its records (one_request's), its wall time and this process's CPU
+    seconds over it (the raw client's events are parsed after both are taken)."""
     async with http_client(kind, url, clients, timeout) as client:
         async def worker(k):
             out = []
+            own = client[k] if kind == "raw" else client
             for j in range(per_client):
                 text = texts[(k * per_client + j) % len(texts)]
-                out.append(await one_request(client, kind, url, text, max_tokens, model))
+                out.append(await one_request(own, kind, url, text, max_tokens, model))
             return out
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu_seconds()
         results = await asyncio.wait_for(
             asyncio.gather(*(worker(k) for k in range(clients))), timeout)
-        wall = time.perf_counter() - t0
-    return [r for rs in results for r in rs], wall
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+    records = [r for rs in results for r in rs]
+    if kind == "raw":  # the events are read after the run, when the server is idle
+        records = [_parse_raw(r) for r in records]
+    return records, wall, cpu
 
 
 def projected_markdown(rows: list[dict], base: dict, ceiling: dict) -> list[str]:
@@ -292,15 +392,16 @@ def projected_markdown(rows: list[dict], base: dict, ceiling: dict) -> list[str]
         mixed = sum(c["calls"] for c in r["calls"] if c["kind"] == "mixed")
         lines.append(f"| {r['run']} | {r['clients'] or '-'} | {full} + {mixed} + {cached} | " +
                      " | ".join(f"{r['projected'][c]:.2f}" for c in chips) + " |")
-    served = {r["clients"]: r for r in rows if r["clients"]}
-    lines += ["", "| clients | reference | " + " | ".join(chips) + " | target |",
-              "|" + "---|" * (3 + len(chips))]
-    for clients, ref_name, least in TARGETS:
-        ref = base if ref_name == "sequential generate" else ceiling
-        r = served.get(clients)
-        if r is None:
+    served = {(r["run"], r["clients"]): r for r in rows if r["clients"]}
+    lines += ["", "| run | clients | reference | " + " | ".join(chips) + " | target |",
+              "|" + "---|" * (4 + len(chips))]
+    for (run, clients), r in served.items():
+        target = [t for t in TARGETS if t[0] == clients]
+        if not target:
             continue
-        lines.append(f"| {clients} | {ref['run']} | " + " | ".join(
+        _, ref_name, least = target[0]
+        ref = base if ref_name == "sequential generate" else ceiling
+        lines.append(f"| {run} | {clients} | {ref['run']} | " + " | ".join(
             f"{r['projected'][c] / ref['projected'][c]:.2f}x" for c in chips) +
             f" | >= {least} |")
     return lines
@@ -310,15 +411,16 @@ def _ms(x) -> str:
     return "-" if x is None or x != x else f"{x:.1f}"
 
 
-def repeat_ratios(all_runs: list[dict], clients: int, ref_run: str) -> list[float]:
-    """The server's requests/s at `clients` over that of the run named `ref_run` in the
-    same repeat, repeat by repeat (the interleaved ratios)."""
+def repeat_ratios(all_runs: list[dict], clients: int, ref_run: str,
+                  run: str = "serve") -> list[float]:
+    """The server's requests/s at `clients` (in the runs named `run`) over that of the
+    run named `ref_run` in the same repeat, repeat by repeat (the interleaved ratios)."""
     by_repeat: dict[int, dict] = {}
     for r in all_runs:
         by_repeat.setdefault(r["repeat"], {})[(r["run"], r["clients"])] = r
     ratios = []
     for runs in by_repeat.values():
-        ref, served = runs.get((ref_run, None)), runs.get(("serve", clients))
+        ref, served = runs.get((ref_run, None)), runs.get((run, clients))
         if ref is not None and served is not None:
             ratios.append(served["requests_per_s"] / ref["requests_per_s"])
     return ratios
@@ -344,7 +446,8 @@ def to_markdown(rows: list[dict], meta: dict, all_runs: list[dict] | None = None
         "a time in one process (compiled first). Latency is to `[DONE]`, TTFT to the first "
         "content delta; tokens are completion tokens. Each row is the best (by "
         f"requests/s) of {meta['repeats']} interleaved repeats (all of them in the JSON). "
-        f"The load's HTTP client: {meta.get('client', 'httpx')}. CPU ms / request: CPU "
+        f"The load's HTTP client: {meta.get('client', 'httpx')} ({CLIENT_NOTE}). "
+        "CPU ms / request: CPU "
         "time (user + system, every thread) of the server process and of this one (the "
         "load's clients; for the `generate` rows, the decode itself) over the run, per "
         "request. "
@@ -361,27 +464,29 @@ def to_markdown(rows: list[dict], meta: dict, all_runs: list[dict] | None = None
             f"{r['matches_baseline']}/{r['requests']} | "
             f"{_ms(r.get('server_cpu_ms_per_request'))}, {_ms(r.get('load_cpu_ms_per_request'))} |")
     base, ceiling = rows[0], rows[1]
-    served = {r["clients"]: r for r in rows if r["clients"]}
+    served = {(r["run"], r["clients"]): r for r in rows if r["clients"]}
     lines += ["", "Targets (issue 44, item 3; requests/s of the server over the reference). "
               "The best rows' ratio sets the best server run against the best reference "
               "run, which may come from different repeats; each repeat's own ratio (the "
               "server against the reference run just before it) and their median are "
               "the interleaved figures, and the target is read on the median:", "",
-              "| clients | reference | best rows' ratio | each repeat's ratio | median | "
-              "target | met |", "|---|---|---|---|---|---|---|"]
-    for clients, ref_name, least in TARGETS:
-        ref = base if ref_name == "sequential generate" else ceiling
-        r = served.get(clients)
-        if r is None:
-            lines.append(f"| {clients} | {ref['run']} | not run | - | - | >= {least} | - |")
-            continue
-        ratio = r["requests_per_s"] / ref["requests_per_s"]
-        each = repeat_ratios(all_runs or [], clients, ref["run"]) or [ratio]
-        median = float(np.median(each))
-        lines.append(f"| {clients} | {ref['run']} | {ratio:.2f}x | "
-                     f"{', '.join(f'{x:.2f}x' for x in each)} | {median:.2f}x | "
-                     f">= {least} | {'yes' if median >= least else 'no'} |")
-    others = [r for c, r in served.items() if c not in {t[0] for t in TARGETS}]
+              "| run | clients | reference | best rows' ratio | each repeat's ratio | "
+              "median | target | met |", "|---|---|---|---|---|---|---|---|"]
+    for run in dict.fromkeys(r["run"] for r in rows if r["clients"]):
+        for clients, ref_name, least in TARGETS:
+            ref = base if ref_name == "sequential generate" else ceiling
+            r = served.get((run, clients))
+            if r is None:
+                lines.append(f"| {run} | {clients} | {ref['run']} | not run | - | - | "
+                             f">= {least} | - |")
+                continue
+            ratio = r["requests_per_s"] / ref["requests_per_s"]
+            each = repeat_ratios(all_runs or [], clients, ref["run"], run) or [ratio]
+            median = float(np.median(each))
+            lines.append(f"| {run} | {clients} | {ref['run']} | {ratio:.2f}x | "
+                         f"{', '.join(f'{x:.2f}x' for x in each)} | {median:.2f}x | "
+                         f">= {least} | {'yes' if median >= least else 'no'} |")
+    others = [r for (_, c), r in served.items() if c not in {t[0] for t in TARGETS}]
     if others:
         lines += ["", "Other runs over sequential `generate`: " + ", ".join(
             f"{r['clients']} client(s) {r['requests_per_s'] / base['requests_per_s']:.2f}x"
@@ -411,8 +516,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved repeats; the table keeps each run's best (requests/s)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run, at most")
-    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
-                    help="the load's HTTP client (aiohttp takes less of the machine's CPU)")
+    ap.add_argument("--client", default="raw",
+                    help="the load's HTTP client: raw (asyncio streams, events parsed after "
+                         "the run; the least CPU taken from the server), aiohttp or httpx; "
+                         "comma-separated, each runs every client count in every repeat")
     ap.add_argument("--mixed-calls", action=argparse.BooleanOptionalAction, default=False,
                     help="the server's and the baselines' decodes mix their calls "
                          "(docs/architecture.md, \"Mixed calls\"; off by default, as in "
@@ -422,6 +529,9 @@ def main() -> int:
                     "ran on the machine)")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
+    kinds = args.client.split(",")
+    if any(k not in ("raw", "aiohttp", "httpx") for k in kinds):
+        ap.error(f"--client {args.client}: expected raw, aiohttp or httpx, comma-separated")
     if max(clients) * args.requests > 256:
         ap.error("at most 256 requests per run")
     n_prompts = max(clients) * args.requests
@@ -462,24 +572,29 @@ def main() -> int:
         server_start = time.perf_counter() - t0
         loaded = asynclane_jax.load(args.model)
         # Warm-up: one request (the server's first, and a connection pool's).
-        asyncio.run(load_run(url, args.model, texts[:1], 1, 1, args.max_tokens, args.timeout,
-                             args.client))
+        for kind in kinds:
+            asyncio.run(load_run(url, args.model, texts[:1], 1, 1, args.max_tokens,
+                                 args.timeout, kind))
         best: dict[tuple, dict] = {}
         for rep in range(args.repeats):  # interleaved, so that noise hits every run alike
             # While the server idles: the baselines in this process.
             runs, answers = baseline(loaded, texts, args.max_tokens, args.slots)
-            for c in clients:
+            # With several load clients, their order alternates repeat by repeat.
+            order = kinds if rep % 2 == 0 else kinds[::-1]
+            for kind, c in ((k, c) for k in order for c in clients):
                 calls0 = server_calls(url)
-                cpu0 = cpu_seconds(server.pid), cpu_seconds()
-                records, wall = asyncio.run(load_run(url, args.model, texts, c, args.requests,
-                                                     args.max_tokens, args.timeout,
-                                                     args.client))
-                cpu1 = cpu_seconds(server.pid), cpu_seconds()
+                cpu0 = cpu_seconds(server.pid)
+                records, wall, load_cpu = asyncio.run(load_run(
+                    url, args.model, texts, c, args.requests, args.max_tokens, args.timeout,
+                    kind))
+                cpu1 = cpu_seconds(server.pid)
                 for r in records:
                     r["match"] = r["text"] == answers[r["prompt"]]
-                row = summary("serve", c, records, wall)
-                row["server_cpu_ms_per_request"] = 1000 * (cpu1[0] - cpu0[0]) / len(records)
-                row["load_cpu_ms_per_request"] = 1000 * (cpu1[1] - cpu0[1]) / len(records)
+                row = summary("serve" if len(kinds) == 1 else f"serve ({kind} client)", c,
+                              records, wall)
+                row["client"] = kind
+                row["server_cpu_ms_per_request"] = 1000 * (cpu1 - cpu0) / len(records)
+                row["load_cpu_ms_per_request"] = 1000 * load_cpu / len(records)
                 row["calls"] = calls_list(server_calls(url) - calls0)
                 runs.append(row)
             project(runs, args.model)
