@@ -5,8 +5,8 @@ Starts `asynclane-jax serve` on a free port of 127.0.0.1 (a subprocess; the mode
 sampler at its defaults, --slots, one generation bucket --max-tokens), waits for it to
 compile, then for each concurrency C in --clients runs C asyncio clients (by default a
 minimal client on asyncio's streams, whose events are parsed once the run is over:
-`RawConnection`; or aiohttp, or httpx), each sending --requests chat completions one after another
-with stream=true. Per request it records the time to the first content delta (TTFT),
+`RawConnection`; or aiohttp, or httpx; several, comma-separated, each run in every
+repeat), each sending --requests chat completions one after another with stream=true. Per request it records the time to the first content delta (TTFT),
 the time to `data: [DONE]` (the latency) and the completion tokens (the final chunk's
 usage); per run, the CPU time of the server process and of this one. The baseline is this
 process calling `asynclane_jax.generate` on the same prompts one at a time at gen_length
@@ -260,7 +260,7 @@ class RawConnection:
     pieces with their arrival times, and nothing more while the load runs; the events
     are parsed (`_parse_raw`) once the run is over. On this 2-core machine the load's
     client shares the cores with the server and its decode, so its CPU per request is
-    taken from the server under test (about a third of aiohttp's here:
+    taken from the server under test (about half of aiohttp's here:
     experiments/results/serve/load_client.md)."""
 
     def __init__(self, url: str):
