@@ -7,9 +7,9 @@ compile, then for each concurrency C in --clients runs C asyncio clients (by def
 minimal client on asyncio's streams, whose events are parsed once the run is over:
 `RawConnection`; or aiohttp, or httpx; several, comma-separated, each run in every
 repeat), each sending --requests chat completions one after another with stream=true.
-Per request it records the time to the first content delta (TTFT), the time to `data:
-[DONE]` (the latency) and the completion tokens (the final chunk's usage); per run, the
-CPU time of the server process and of this one. The baseline is this process calling
+Per request it records the time to the first content delta (TTFT), the time to
+`data: [DONE]` (the latency) and the completion tokens (the final chunk's usage); per run,
+the CPU time of the server process and of this one. The baseline is this process calling
 `asynclane_jax.generate` on the same prompts one at a time at gen_length --max-tokens
 (compiled first; compile time excluded), so its TTFT is its latency; a second reference
 runs `generate` on batches of --slots prompts (the offline ceiling of a loop over that
