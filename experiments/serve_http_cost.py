@@ -174,7 +174,7 @@ def commit_of(root: pathlib.Path) -> str:
 
 
 def to_markdown(runs: list[dict], meta: dict) -> str:
-    kinds = meta.get("clients_kinds", ["aiohttp"])
+    kinds = meta["clients_kinds"]
     lines = ["# The HTTP path's own cost: CPU per streamed request, no model", "",
              f"Command: `{meta['command']}`", "",
              f"The real app and uvicorn over an engine that costs nothing "
@@ -190,7 +190,7 @@ def to_markdown(runs: list[dict], meta: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['pair']} | {r['tree']} | {r['commit']} | "
-                     f"{r.get('client', 'aiohttp')} | "
+                     f"{r['client']} | "
                      f"{r['requests_per_s']:.0f} | {r['server_cpu_ms_per_request']:.2f} | "
                      f"{r['client_cpu_ms_per_request']:.2f} | "
                      f"{r['events_per_request']:.1f} |")
@@ -199,7 +199,7 @@ def to_markdown(runs: list[dict], meta: dict) -> str:
               "ms / request |", "|---|---|---|---|---|---|"]
     for tree in meta["trees"]:
         for kind in kinds:
-            rs = [r for r in runs if r["tree"] == tree and r.get("client", "aiohttp") == kind]
+            rs = [r for r in runs if r["tree"] == tree and r["client"] == kind]
             med = {k: statistics.median(r[k] for r in rs) for k in
                    ("requests_per_s", "server_cpu_ms_per_request",
                     "client_cpu_ms_per_request")}

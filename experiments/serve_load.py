@@ -447,7 +447,7 @@ def to_markdown(rows: list[dict], meta: dict, all_runs: list[dict] | None = None
         "a time in one process (compiled first). Latency is to `[DONE]`, TTFT to the first "
         "content delta; tokens are completion tokens. Each row is the best (by "
         f"requests/s) of {meta['repeats']} interleaved repeats (all of them in the JSON). "
-        f"The load's HTTP client: {meta.get('client', 'httpx')} ({CLIENT_NOTE}). "
+        f"The load's HTTP client: {meta['client']} ({CLIENT_NOTE}). "
         "CPU ms / request: CPU "
         "time (user + system, every thread) of the server process and of this one (the "
         "load's clients; for the `generate` rows, the decode itself) over the run, per "
