@@ -51,8 +51,11 @@ def as_glob(path: str) -> str:
 
 def resolves(path: str) -> bool:
     path = path.rstrip(".,;:)`'\"")
-    if path.endswith("/") or "." not in path.rsplit("/", 1)[-1]:
+    if path.endswith("/"):
         return (ROOT / path).exists()
+    if "." not in path.rsplit("/", 1)[-1]:  # a folder, or an output stem (`--out STEM`)
+        return (ROOT / path).exists() or any((ROOT / path).parent.glob(
+            (ROOT / path).name + ".*"))
     for one in expand(path):
         pattern = as_glob(one)
         found = (ROOT / one).exists() if "*" not in pattern else any(ROOT.glob(pattern))
@@ -116,6 +119,8 @@ def test_each_folder_heading_counts_its_files():
     ("experiments/results/archive/asynclane_fork_fresh_MODEL_256.json", True),
     ("experiments/results/testbed/testbed_{name}.png", True),
     ("experiments/results/bench/", True),
+    ("experiments/results/serve/serve", True),  # an --out stem: serve.md, serve.json
+    ("experiments/results/serve/no_such_stem", False),
 ])
 def test_resolves(path, ok):
     assert resolves(path) is ok
