@@ -329,7 +329,13 @@ def plan_for(cfg, mesh: str | Mesh, *, rules: Rules | None = None,
 def mesh_of(model) -> Mesh | None:
     """The mesh a model's parameters are placed on, when they are on more than one
     device through a NamedSharding (None otherwise)."""
-    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    return mesh_of_state(nnx.state(model, nnx.Param))
+
+
+def mesh_of_state(state: nnx.State) -> Mesh | None:
+    """`mesh_of` for a model's state (`nnx.split`'s, or its parameters'): the mesh of its
+    first parameter."""
+    leaves = jax.tree.leaves(state.filter(nnx.Param))
     s = getattr(leaves[0], "sharding", None) if leaves else None
     return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -79,14 +80,53 @@ def make_schedule(sampler: str, *, gen_length: int, **options) -> Schedule:
     return registry.build(sampler, gen_length=gen_length, **options)
 
 
-def sharding_plan(model, mesh) -> sharding.ShardingPlan | None:
+def sharding_plan(model, mesh, params=None) -> sharding.ShardingPlan | None:
     """The plan `generate` decodes with: the given plan, or mesh (a Mesh or a spec
-    string) with the default rules, else the mesh the parameters are on, else None (one
-    device, no constraints)."""
+    string) with the default rules, else the mesh the parameters are on (`params`, the
+    model's parameter state when the caller has it), else None (one device, no
+    constraints)."""
     if isinstance(mesh, sharding.ShardingPlan):
         return mesh
-    mesh = sharding.make_mesh(mesh) if mesh is not None else sharding.mesh_of(model)
+    if mesh is not None:
+        mesh = sharding.make_mesh(mesh)
+    else:
+        mesh = sharding.mesh_of(model) if params is None else sharding.mesh_of_state(params)
     return None if mesh is None else sharding.plan_for(model.cfg, mesh)
+
+
+# id(model) -> (a weak reference to the model, its pytree structure, weak references to
+# its leaves, nnx.split's graphdef and state), for `split_model`.
+_SPLITS: dict[int, tuple] = {}
+
+
+def _weak(x):
+    try:
+        return weakref.ref(x)
+    except TypeError:  # a Python scalar leaf: small, held as it is
+        return lambda: x
+
+
+def split_model(model) -> tuple:
+    """`nnx.split(model)`, remembered per model: a later call returns the same graphdef
+    and state while the model's pytree structure and every leaf (array) are the same
+    objects, which a flatten of the model tells in a fraction of a split's time (a
+    split walks the module graph in Python: several milliseconds per `generate` call at
+    any model size). The state holds the model's own Variables, as a split's does; the
+    leaves are held weakly, so the memory of weights a model no longer holds is not
+    kept. Any change of the model's arrays or structure (`nnx.update`, a replaced
+    module) makes the next call split again."""
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    held = _SPLITS.get(id(model))
+    if held is not None:
+        ref, tdef, refs, graphdef, params = held
+        if (ref() is model and tdef == treedef and len(refs) == len(leaves)
+                and all(r() is x for r, x in zip(refs, leaves))):
+            return graphdef, params
+    graphdef, params = nnx.split(model)
+    key = id(model)
+    ref = weakref.ref(model, lambda _, key=key: _SPLITS.pop(key, None))
+    _SPLITS[key] = (ref, treedef, [_weak(x) for x in leaves], graphdef, params)
+    return graphdef, params
 
 
 def bucket_length(n: int, bucket: int) -> int:
@@ -169,6 +209,7 @@ def generate(model, prompts, *, sampler: str | Schedule = DEFAULT_SAMPLER, gen_l
             raise SamplerError("string prompts need a tokenizer")
         prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     cfg = model.cfg
+    graphdef, params = split_model(model)
     if isinstance(sampler, Schedule):
         if sampler_options:
             raise SamplerError("options go into the Schedule object itself, not generate()")
@@ -179,7 +220,7 @@ def generate(model, prompts, *, sampler: str | Schedule = DEFAULT_SAMPLER, gen_l
     schedule = schedule.bind(tokenizer, cfg)
     canvas, pad_len, P = build_canvas(prompts, gen_length, cfg, bucket)
     n = len(prompts)
-    plan = sharding_plan(model, mesh)
+    plan = sharding_plan(model, mesh, params)
     rows = batch_rows(n, pad_batch=pad_batch, plan=plan)
     live = np.arange(rows) < n
     if rows > n:  # padding rows copy row 0 and start finished
@@ -187,7 +228,6 @@ def generate(model, prompts, *, sampler: str | Schedule = DEFAULT_SAMPLER, gen_l
         pad_len = np.concatenate([pad_len, np.repeat(pad_len[:1], rows - n)])
     if rng is None:
         rng = jax.random.key(seed)
-    graphdef, params = nnx.split(model)
     args = sharding.place_decode_arguments(plan, params, canvas, pad_len, live, rng,
                                            schedule.operands())
     exe, compiled = driver.compiled_decode(graphdef, *args, schedule=schedule, plan=plan)
