@@ -335,7 +335,7 @@ def mesh_of(model) -> Mesh | None:
 def mesh_of_state(state: nnx.State) -> Mesh | None:
     """`mesh_of` for a model's state (`nnx.split`'s, or its parameters'): the mesh of its
     first parameter."""
-    leaves = jax.tree.leaves(state.filter(nnx.Param))
+    leaves = jax.tree.leaves(nnx.filter_state(state, nnx.Param))
     s = getattr(leaves[0], "sharding", None) if leaves else None
     return s.mesh if isinstance(s, NamedSharding) and s.mesh.size > 1 else None
 
