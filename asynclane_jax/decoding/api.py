@@ -111,10 +111,12 @@ def split_model(model) -> tuple:
     and state while the model's pytree structure and every leaf (array) are the same
     objects, which a flatten of the model tells in a fraction of a split's time (a
     split walks the module graph in Python: several milliseconds per `generate` call at
-    any model size). The state holds the model's own Variables, as a split's does; the
-    leaves are held weakly, so the memory of weights a model no longer holds is not
-    kept. Any change of the model's arrays or structure (`nnx.update`, a replaced
-    module) makes the next call split again."""
+    any model size). Any change of the model's arrays or structure (`nnx.update`,
+    `variable[...] = x`, a replaced variable or module) makes the next call split
+    again. The state holds the model's own Variables, as a split's does, so values set
+    in them are its own; the leaves are held weakly. A variable or module replaced
+    outright stays held here until the model's next call, or until the model is freed
+    (its entry goes with it)."""
     leaves, treedef = jax.tree_util.tree_flatten(model)
     held = _SPLITS.get(id(model))
     if held is not None:
