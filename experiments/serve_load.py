@@ -111,37 +111,35 @@ def baseline(loaded, texts: list[str], max_tokens: int,
 
     stop = set(cfg.stop_token_ids)
     asynclane_jax.generate(model, [ids(texts[0])], gen_length=max_tokens, tokenizer=tok)
-    records, answers, calls = [], {}, collections.Counter()
+    records, answers = [], {}
     steps = []  # (seconds, model calls) of each generate call, in prompt order
     t0, cpu0 = time.perf_counter(), cpu_seconds()
     for text in texts:
         t = time.perf_counter()
         res = asynclane_jax.generate(model, [ids(text)], gen_length=max_tokens, tokenizer=tok)
         dt = time.perf_counter() - t
-        steps.append((dt, add_calls(collections.Counter(), res.stats)))
-        add_calls(calls, res.stats)
+        steps.append((dt, call_counts(res.stats)))
         row = [int(x) for x in res.tokens[0]]
         n = next((j for j, x in enumerate(row) if x in stop), len(row))
         answers[text] = res.text[0]
         records.append({"latency": dt, "ttft": dt, "tokens": n})
     rows = [summary("sequential generate", None, records, time.perf_counter() - t0)]
     rows[-1]["load_cpu_ms_per_request"] = 1000 * (cpu_seconds() - cpu0) / len(records)
-    rows[-1]["calls"] = calls_list(calls)
+    rows[-1]["calls"] = calls_list(total_calls(steps))
     parts = {rows[-1]["run"]: {"wall": rows[-1]["wall_s"], "per": 1, "steps": steps}}
     # The offline ceiling of a loop over `slots` rows: generate on batches of that many
     # (every request of a batch waits for the whole batch).
     batches = [texts[k:k + slots] for k in range(0, len(texts), slots)]
     asynclane_jax.generate(model, [ids(x) for x in batches[0]], gen_length=max_tokens,
                            tokenizer=tok)
-    records, calls, steps = [], collections.Counter(), []
+    records, steps = [], []
     t0, cpu0 = time.perf_counter(), cpu_seconds()
     for batch in batches:
         t = time.perf_counter()
         res = asynclane_jax.generate(model, [ids(x) for x in batch], gen_length=max_tokens,
                                      tokenizer=tok)
         dt = time.perf_counter() - t
-        steps.append((dt, add_calls(collections.Counter(), res.stats)))
-        add_calls(calls, res.stats)
+        steps.append((dt, call_counts(res.stats)))
         for i, text in enumerate(batch):
             row = [int(x) for x in res.tokens[i]]
             n = next((j for j, x in enumerate(row) if x in stop), len(row))
@@ -150,7 +148,7 @@ def baseline(loaded, texts: list[str], max_tokens: int,
     rows.append(summary(f"generate, batches of {slots}", None, records,
                         time.perf_counter() - t0))
     rows[-1]["load_cpu_ms_per_request"] = 1000 * (cpu_seconds() - cpu0) / len(records)
-    rows[-1]["calls"] = calls_list(calls)
+    rows[-1]["calls"] = calls_list(total_calls(steps))
     parts[rows[-1]["run"]] = {"wall": rows[-1]["wall_s"], "per": slots, "steps": steps}
     return rows, answers, parts
 
@@ -167,11 +165,8 @@ def same_prompts(parts: dict, n: int) -> dict:
             continue
         steps = part["steps"][: n // part["per"]]
         share = sum(dt for dt, _ in steps) / sum(dt for dt, _ in part["steps"])
-        calls = collections.Counter()
-        for _, c in steps:
-            calls.update(c)
         out[name] = {"run": name, "requests": n, "requests_per_s": n / (part["wall"] * share),
-                     "calls": calls_list(calls)}
+                     "calls": calls_list(total_calls(steps))}
     return out
 
 
@@ -182,12 +177,21 @@ def reference(served: dict, ref: dict) -> dict:
     return (served.get("reference") or {}).get(ref["run"], ref)
 
 
-def add_calls(counter: collections.Counter, stats) -> collections.Counter:
-    """Adds a `generate` call's model calls, by shape, to `counter` (returned)."""
+def total_calls(steps) -> collections.Counter:
+    """The model calls, by shape, of `generate` calls given as (seconds, calls)."""
+    total = collections.Counter()
+    for _, calls in steps:
+        total.update(calls)
+    return total
+
+
+def call_counts(stats) -> collections.Counter:
+    """A `generate` call's model calls, by shape."""
+    counts = collections.Counter()
     for shape, n in zip(stats.call_shapes, stats.shape_calls):
         if n:
-            counter[shape] += int(n)
-    return counter
+            counts[shape] += int(n)
+    return counts
 
 
 def calls_list(counter) -> list[dict]:
