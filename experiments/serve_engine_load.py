@@ -83,7 +83,11 @@ def engine_run(engine, ids: list[list[int]], clients: int, max_tokens: int,
                     texts[j] = "".join(parts)
                     done.set()
 
-            engine.submit(ids[j], max_tokens=max_tokens, on_update=on_update)
+            try:
+                engine.submit(ids[j], max_tokens=max_tokens, on_update=on_update)
+            except Exception as e:  # refused: the run reports it rather than hanging
+                errors.append(f"prompt {j}: {type(e).__name__}: {e}")
+                return
             if not done.wait(timeout):
                 errors.append(f"prompt {j}: no answer in {timeout} s")
                 return
@@ -179,7 +183,8 @@ def main() -> int:
         for size in sorted({args.slots} | {(c * args.requests) % args.slots or args.slots
                                            for c in clients}):
             reference(model, tok, ids[:size], args.max_tokens, args.slots)
-        engine_run(engine, ids[:args.slots], args.slots, args.max_tokens, args.timeout)
+        k = min(args.slots, len(ids))
+        engine_run(engine, ids[:k], k, args.max_tokens, args.timeout)
         for rep in range(args.repeats):
             for c in clients:
                 part = ids[:c * args.requests]
