@@ -24,7 +24,6 @@ Usage: python experiments/serve_engine_load.py [--model tiny-llada] [--clients 8
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import shlex
@@ -36,15 +35,9 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import serve_load  # noqa: E402  (its prompts, call counts and CPU clock)
+import serve_load  # noqa: E402  (its prompts, chat ids, call counts and CPU clock)
 
 RESULTS = HERE / "results" / "serve"
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    s = tok.apply_chat_template([{"role": "user", "content": text}],
-                                add_generation_prompt=True, tokenize=False)
-    return tok.encode(s, add_special_tokens=False)
 
 
 def reference(model, tok, ids: list[list[int]], max_tokens: int, slots: int) -> dict:
@@ -165,12 +158,13 @@ def main() -> int:
     import jax
 
     import asynclane_jax
+    from asynclane_jax.bench.runner import write_json
     from asynclane_jax.serve.engine import Engine, prompt_buckets
 
     load_before = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     model, tok, cfg = asynclane_jax.load(args.model)
     texts = serve_load.prompts(max(clients) * args.requests, args.model)
-    ids = [chat_ids(tok, t) for t in texts]
+    ids = [serve_load.chat_ids(tok, t) for t in texts]
     max_prompt, lengths = prompt_buckets(cfg, (args.max_tokens,), args.max_prompt, None)
     engine = Engine(model, tok, model_name=args.model, slots=args.slots,
                     gen_lengths=(args.max_tokens,), chunk=args.chunk, queue_size=256,
@@ -208,11 +202,10 @@ def main() -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     md = to_markdown(meta, rows)
-    tmp_md, tmp_json = out.with_suffix(".md.tmp"), out.with_suffix(".json.tmp")
+    write_json(out.with_suffix(".json"), meta, rows)
+    tmp_md = out.with_suffix(".md.tmp")
     tmp_md.write_text(md)
-    tmp_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     tmp_md.replace(out.with_suffix(".md"))
-    tmp_json.replace(out.with_suffix(".json"))
     print(md)
     return 0
 

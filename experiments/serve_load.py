@@ -81,6 +81,14 @@ def prompts(n: int, model: str = "tiny-llada") -> list[str]:
     return [p.prompt for p in tasks.heldout(n, tasks.model_task_set(model))]
 
 
+def chat_ids(tok, text: str) -> list[int]:
+    """A user turn through the tokenizer's chat template, as the server reads a chat
+    completion's messages."""
+    s = tok.apply_chat_template([{"role": "user", "content": text}],
+                                add_generation_prompt=True, tokenize=False)
+    return tok.encode(s, add_special_tokens=False)
+
+
 def pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs, float), q)) if xs else float("nan")
 
@@ -104,19 +112,16 @@ def baseline(loaded, texts: list[str], max_tokens: int,
 
     model, tok, cfg = loaded
 
-    def ids(text):
-        s = tok.apply_chat_template([{"role": "user", "content": text}],
-                                    add_generation_prompt=True, tokenize=False)
-        return tok.encode(s, add_special_tokens=False)
-
     stop = set(cfg.stop_token_ids)
-    asynclane_jax.generate(model, [ids(texts[0])], gen_length=max_tokens, tokenizer=tok)
+    asynclane_jax.generate(model, [chat_ids(tok, texts[0])], gen_length=max_tokens,
+                           tokenizer=tok)
     records, answers = [], {}
     steps = []  # (seconds, model calls) of each generate call, in prompt order
     t0, cpu0 = time.perf_counter(), cpu_seconds()
     for text in texts:
         t = time.perf_counter()
-        res = asynclane_jax.generate(model, [ids(text)], gen_length=max_tokens, tokenizer=tok)
+        res = asynclane_jax.generate(model, [chat_ids(tok, text)], gen_length=max_tokens,
+                                     tokenizer=tok)
         dt = time.perf_counter() - t
         steps.append((dt, call_counts(res.stats)))
         row = [int(x) for x in res.tokens[0]]
@@ -130,14 +135,14 @@ def baseline(loaded, texts: list[str], max_tokens: int,
     # The offline ceiling of a loop over `slots` rows: generate on batches of that many
     # (every request of a batch waits for the whole batch).
     batches = [texts[k:k + slots] for k in range(0, len(texts), slots)]
-    asynclane_jax.generate(model, [ids(x) for x in batches[0]], gen_length=max_tokens,
-                           tokenizer=tok)
+    asynclane_jax.generate(model, [chat_ids(tok, x) for x in batches[0]],
+                           gen_length=max_tokens, tokenizer=tok)
     records, steps = [], []
     t0, cpu0 = time.perf_counter(), cpu_seconds()
     for batch in batches:
         t = time.perf_counter()
-        res = asynclane_jax.generate(model, [ids(x) for x in batch], gen_length=max_tokens,
-                                     tokenizer=tok)
+        res = asynclane_jax.generate(model, [chat_ids(tok, x) for x in batch],
+                                     gen_length=max_tokens, tokenizer=tok)
         dt = time.perf_counter() - t
         steps.append((dt, call_counts(res.stats)))
         for i, text in enumerate(batch):
