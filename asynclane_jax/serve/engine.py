@@ -15,7 +15,10 @@ iteration while the rows in flight keep decoding, instead of waiting for a whole
 canvas back and frees the rows that are done; a second host thread (the emitter)
 detokenizes and hands each request the text its contiguous committed prefix gained (a
 diffusion LM commits out of order: a token is sent only when every token before it is
-committed, and never again), while the engine's thread runs the next chunk. At start the
+committed, and never again), while the engine's thread runs the next chunk. What a chunk's
+read gives is handed to the emitter once the next chunk is dispatched (or when nothing is
+left to run): the threads it wakes (the emitter, a server's event loop) then run while
+the device decodes, not while the engine's thread dispatches. At start the
 default pools' programs are compiled at every slot count (`precompile`) and run once
 down the paths a load takes (`warm_up`, `_Pool.warm`): a program's first run down a path
 costs many times a later one, which the first requests would otherwise pay.
@@ -446,6 +449,10 @@ class _Pool:
         self.state = fn(eng.param_leaves, self.state, self.pad_len.copy(), admit, canvas_in,
                         retire, np.int32(steps), self.operands, self._traced_args(),
                         self.limit.copy())
+        # The progress read after the last chunk goes to the emitter now that this one
+        # is dispatched: the threads it wakes (the emitter, the server's event loop) then
+        # run while the device decodes, not while this thread dispatches.
+        eng._flush_updates()
         gen = np.asarray(self.state.canvas)[:, self.P:]
         finished = np.asarray(self.state.finished)
         eng.chunks += 1
@@ -499,6 +506,12 @@ class _Emitter:
         with self._lock:
             self.pending += 1
         self.queue.put(item)
+
+    def put_many(self, items) -> None:
+        with self._lock:
+            self.pending += len(items)
+        for item in items:
+            self.queue.put(item)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until everything handed over has been sent."""
@@ -638,6 +651,9 @@ class Engine:
         self._layout_lock = threading.Lock()
         self._lock = threading.Condition()
         self._inbox: list[_Request] = []
+        # Updates read after a chunk, held for the emitter until the next chunk is
+        # dispatched (`_emit`, `_flush_updates`; the engine's thread only).
+        self._pending: list[tuple] = []
         self._accepting = False
         self._running = False
         self._thread: threading.Thread | None = None
@@ -753,6 +769,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         if self._emitter is not None:
+            self._flush_updates()  # what the thread held, had it stopped without sending
             self._emitter.flush()
             self._emitter.stop()
 
@@ -920,8 +937,10 @@ class Engine:
             with self._lock:
                 while (self._running and not self._inbox
                        and not any(p.live or p.waiting for p in list(self.pools.values()))):
+                    self._flush_updates()  # nothing to dispatch: send what is held now
                     self._lock.wait(timeout=0.5)
                 if not self._running:
+                    self._flush_updates()
                     return
                 inbox, self._inbox = self._inbox, []
             self._expected = max(0, self._expected - len(inbox))
@@ -933,6 +952,7 @@ class Engine:
             done = self.requests_done
             ran = self._round()
             if not ran:  # requests wait for memory, or all were cancelled: do not spin
+                self._flush_updates()
                 with self._lock:
                     self._lock.wait(timeout=0.01)
             elif self.requests_done > done and self.admission_window > 0:
@@ -1017,8 +1037,8 @@ class Engine:
         if reason is not None:
             req.done = True
             self.requests_done += 1
-        self._emitter.put((req, tokens, start, reason,
-                           "the decode hit its step cap" if reason == "error" else None))
+        self._emit((req, tokens, start, reason,
+                    "the decode hit its step cap" if reason == "error" else None))
         return reason is not None
 
     def _deliver(self, req: _Request, tokens: list[int], start: int, reason: str | None,
@@ -1057,7 +1077,19 @@ class Engine:
         self.requests_done += 1
         if self._emitter is None:  # not started: nothing to hand over to
             return
-        self._emitter.put((req, None, req.sent, reason, error))
+        self._emit((req, None, req.sent, reason, error))
+
+    def _emit(self, item) -> None:
+        """Holds a request's update for the emitter until `_flush_updates` (on the
+        engine's thread: after the next chunk's dispatch, or before the thread waits).
+        One list keeps every request's updates in order."""
+        self._pending.append(item)
+
+    def _flush_updates(self) -> None:
+        """Hands the held updates to the emitter, in order."""
+        if self._pending and self._emitter is not None:
+            items, self._pending = self._pending, []
+            self._emitter.put_many(items)
 
 
 def prompt_buckets(cfg, gen_lengths: Sequence[int], max_prompt: int | None,

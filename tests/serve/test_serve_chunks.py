@@ -18,7 +18,7 @@ import pytest
 import asynclane_jax as aj
 from asynclane_jax.decoding import generate
 from asynclane_jax.decoding.api import build_canvas
-from asynclane_jax.serve.engine import Engine, _Pool
+from asynclane_jax.serve.engine import Engine, _Emitter, _Pool
 from asynclane_jax.testbed import evaluate as ev
 from asynclane_jax.testbed import tasks
 
@@ -205,3 +205,59 @@ def test_a_request_sent_when_an_answer_ends_is_admitted_at_the_next_iteration(
     # Its answer opens the window again (its client may send another): one-iteration
     # chunks of the long row to its end.
     assert all(c[0] == 1 and c[1] <= 1 for c in chunks[k + 1:])
+
+
+def test_a_chunks_progress_is_sent_once_the_next_chunk_is_dispatched(setup, monkeypatch):
+    """The updates read after a chunk wait until the next chunk is dispatched (the
+    threads they wake then run while the device decodes), or until the engine has
+    nothing to dispatch; none is lost or reordered."""
+    model, tok, prompts, want, eng = setup
+    log = []  # "dispatch" per chunk program call, "send" per batch handed to the emitter
+    program, put_many = _Pool.program, _Emitter.put_many
+
+    def spy_program(self, b):
+        init, fn = program(self, b)
+
+        def run(*a):
+            out = fn(*a)
+            log.append("dispatch")
+            return out
+        return init, run
+
+    def spy_put_many(self, items):
+        log.append("send")
+        put_many(self, items)
+
+    monkeypatch.setattr(_Pool, "program", spy_program)
+    monkeypatch.setattr(_Emitter, "put_many", spy_put_many)
+    got = {}
+
+    def collect(name):
+        tokens = got.setdefault(name, [])
+        done = threading.Event()
+
+        def on_update(u):
+            tokens.extend(u.token_ids)
+            if u.finished:
+                done.set()
+        return on_update, done
+
+    eng.start()
+    try:
+        (on_long, long_done), (on_short, short_done) = collect("long"), collect("short")
+        with eng._lock:  # both in the first chunk
+            eng.submit(prompts[0], max_tokens=G, on_update=on_long)
+            eng.submit(prompts[1], max_tokens=SHORT, on_update=on_short)
+        assert short_done.wait(300) and long_done.wait(300)
+    finally:
+        eng.shutdown()
+    stop = set(model.cfg.stop_token_ids)
+    for name, row, m in (("long", want[0], G), ("short", want[1], SHORT)):
+        cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
+        assert got[name] == row[:min(cut, m)].tolist()
+    # The first chunk ends at short's answer; short's last update (and long's progress)
+    # go out only after the second chunk is dispatched. Every batch follows a dispatch
+    # directly, but the last: long's answer, sent when nothing was left to run.
+    assert log[:2] == ["dispatch", "dispatch"] and log[-1] == "send"
+    sends = [i for i, e in enumerate(log) if e == "send"]
+    assert len(sends) >= 2 and all(log[i - 1] == "dispatch" for i in sends[:-1])
