@@ -40,6 +40,21 @@ def setup():
     return model, tok, prompts, want, eng
 
 
+def collector(got: dict, name: str, order: list | None = None):
+    """(on_update, done) of one request: its tokens gathered in got[name], its name
+    appended to `order` when it finishes, and `done` set then."""
+    tokens = got.setdefault(name, [])
+    done = threading.Event()
+
+    def on_update(u):
+        tokens.extend(u.token_ids)
+        if u.finished:
+            if order is not None:
+                order.append(name)
+            done.set()
+    return on_update, done
+
+
 def test_a_chunk_ends_at_the_iteration_that_completes_an_answer(setup):
     model, tok, prompts, want, eng = setup
     cfg = model.cfg
@@ -86,17 +101,6 @@ def test_a_waiting_request_is_admitted_while_a_long_row_decodes(setup):
     model, tok, prompts, want, eng = setup
     order, got = [], {}
 
-    def collect(name):
-        tokens = got.setdefault(name, [])
-        done = threading.Event()
-
-        def on_update(u):
-            tokens.extend(u.token_ids)
-            if u.finished:
-                order.append(name)
-                done.set()
-        return on_update, done
-
     eng.start()
     try:
         events = []
@@ -105,7 +109,7 @@ def test_a_waiting_request_is_admitted_while_a_long_row_decodes(setup):
         with eng._lock:
             for name, p, m in (("long", prompts[0], G), ("short", prompts[1], SHORT),
                                ("waiting", prompts[2], SHORT)):
-                on_update, done = collect(name)
+                on_update, done = collector(got, name, order)
                 events.append(done)
                 eng.submit(p, max_tokens=m, on_update=on_update)
         assert all(e.wait(300) for e in events)
@@ -231,20 +235,10 @@ def test_a_chunks_progress_is_sent_once_the_next_chunk_is_dispatched(setup, monk
     monkeypatch.setattr(_Pool, "program", spy_program)
     monkeypatch.setattr(_Emitter, "put_many", spy_put_many)
     got = {}
-
-    def collect(name):
-        tokens = got.setdefault(name, [])
-        done = threading.Event()
-
-        def on_update(u):
-            tokens.extend(u.token_ids)
-            if u.finished:
-                done.set()
-        return on_update, done
-
     eng.start()
     try:
-        (on_long, long_done), (on_short, short_done) = collect("long"), collect("short")
+        (on_long, long_done), (on_short, short_done) = (collector(got, "long"),
+                                                        collector(got, "short"))
         with eng._lock:  # both in the first chunk
             eng.submit(prompts[0], max_tokens=G, on_update=on_long)
             eng.submit(prompts[1], max_tokens=SHORT, on_update=on_short)
