@@ -210,7 +210,7 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
            "arrives), through the engine's own threads. Driver `inline, delay d`: the "
            "engine's pool driven on the main thread with no thread at all (`inline_run`); "
            "a client's next request may be admitted d chunks after its answer arrives, "
-           "and chunks are one iteration long while one is due. The reference runs "
+           "the admission window as in the engine's loop. The reference runs "
            f"`generate` on the same prompts in batches of {meta['slots']} just before each "
            "engine run. Ratio: the engine's requests/s over that reference's. CPU ms / "
            "request: this process's CPU time over the run. Model calls: per request, "
@@ -335,7 +335,7 @@ def main() -> int:
         engine.shutdown(drain=False)
     meta = {"command": shlex.join(["python", "experiments/serve_engine_load.py", *sys.argv[1:]]),
             "model": args.model, "slots": args.slots, "chunk": args.chunk,
-            "drivers": [r for r in dict.fromkeys(r["driver"] for r in rows)],
+            "drivers": list(dict.fromkeys(r["driver"] for r in rows)),
             "max_prompt": max_prompt, "max_tokens": args.max_tokens, "clients": clients,
             "backend": jax.default_backend(), "cores": os.cpu_count(),
             "load_before": load_before, "note": args.note}
