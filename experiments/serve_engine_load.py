@@ -115,9 +115,6 @@ class _Deliver:
     def __init__(self, engine):
         self.engine = engine
 
-    def put(self, item) -> None:
-        self.engine._deliver(*item)
-
     def put_many(self, items) -> None:
         for item in items:
             self.engine._deliver(*item)

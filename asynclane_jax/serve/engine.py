@@ -511,11 +511,6 @@ class _Emitter:
                                        daemon=True)
         self.thread.start()
 
-    def put(self, item) -> None:
-        with self._lock:
-            self.pending += 1
-        self.queue.put(item)
-
     def put_many(self, items) -> None:
         with self._lock:
             self.pending += len(items)

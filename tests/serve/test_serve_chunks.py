@@ -40,6 +40,14 @@ def setup():
     return model, tok, prompts, want, eng
 
 
+def answer(model, row, max_tokens: int) -> list[int]:
+    """What a request of max_tokens is sent of `generate`'s row: its tokens up to the
+    first stop token, at most max_tokens."""
+    stop = set(model.cfg.stop_token_ids)
+    cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
+    return row[:min(cut, max_tokens)].tolist()
+
+
 def collector(got: dict, name: str, order: list | None = None):
     """(on_update, done) of one request: its tokens gathered in got[name], its name
     appended to `order` when it finishes, and `done` set then."""
@@ -119,11 +127,9 @@ def test_a_waiting_request_is_admitted_while_a_long_row_decodes(setup):
     # each of the three chunks ended at an answer (none at the bound).
     assert order == ["short", "waiting", "long"]
     assert eng.chunks == 3
-    stop = set(model.cfg.stop_token_ids)
     for name, row, m in (("long", want[0], G), ("short", want[1], SHORT),
                          ("waiting", want[2], SHORT)):
-        cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
-        assert got[name] == row[:min(cut, m)].tolist()
+        assert got[name] == answer(model, row, m)
 
 
 def test_the_admission_window_runs_one_iteration_chunks_only_while_a_slot_is_free():
@@ -193,11 +199,9 @@ def test_a_request_sent_when_an_answer_ends_is_admitted_at_the_next_iteration(
         assert ends["long"].wait(300) and ends["next"].wait(300)
     finally:
         eng.shutdown()
-    stop = set(model.cfg.stop_token_ids)
     for name, row, m in (("long", want[0], G), ("short", want[1], SHORT),
                          ("next", want[2], SHORT)):
-        cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
-        assert got[name] == row[:min(cut, m)].tolist()
+        assert got[name] == answer(model, row, m)
     # The first chunk (both admitted) runs to short's answer; until "next" is admitted,
     # each chunk is one iteration of the long row (the pool keeps its two slots while
     # a request is expected, one of them free); the chunk that admits it runs to the
@@ -245,10 +249,8 @@ def test_a_chunks_progress_is_sent_once_the_next_chunk_is_dispatched(setup, monk
         assert short_done.wait(300) and long_done.wait(300)
     finally:
         eng.shutdown()
-    stop = set(model.cfg.stop_token_ids)
     for name, row, m in (("long", want[0], G), ("short", want[1], SHORT)):
-        cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
-        assert got[name] == row[:min(cut, m)].tolist()
+        assert got[name] == answer(model, row, m)
     # The first chunk ends at short's answer; short's last update (and long's progress)
     # go out only after the second chunk is dispatched. Every batch follows a dispatch
     # directly, but the last: long's answer, sent when nothing was left to run.
