@@ -177,14 +177,11 @@ def inline_run(engine, ids: list[list[int]], clients: int, max_tokens: int, dela
         for item in [d for d in due if d[0] <= chunks]:
             due.remove(item)
             submit(item[1])
-            engine._expected = max(0, engine._expected - 1)  # as the loop's inbox
+            engine._arrived(1)  # as the loop's inbox
         done = engine.requests_done
         pool.run_chunk(len(pool.waiting), 1 if engine._short(pool, len(pool.waiting))
                        else None)
-        if engine.requests_done > done and engine.admission_window > 0:  # as the loop
-            engine._expected = min(engine._expected + engine.requests_done - done,
-                                   engine.slots)
-            engine._window_end = time.monotonic() + engine.admission_window
+        engine._answered(engine.requests_done - done)  # as the loop
         if not pool.live and not pool.waiting:
             engine._flush_updates()  # nothing to dispatch: what is held goes now
         chunks += 1

@@ -947,7 +947,7 @@ class Engine:
                     self._flush_updates()
                     return
                 inbox, self._inbox = self._inbox, []
-            self._expected = max(0, self._expected - len(inbox))
+            self._arrived(len(inbox))
             for req in inbox:
                 try:
                     self._pool(req.pool_key).waiting.append(req)
@@ -959,13 +959,20 @@ class Engine:
                 self._flush_updates()
                 with self._lock:
                     self._lock.wait(timeout=0.01)
-            elif self.requests_done > done and self.admission_window > 0:
-                # The clients just answered often send their next request at once:
-                # until as many arrive (or the window passes), chunks are one iteration
-                # long, so each is admitted at the next iteration, not a chunk later.
-                self._expected = min(self._expected + self.requests_done - done,
-                                     self.slots * len(self.pools))
-                self._window_end = time.monotonic() + self.admission_window
+            else:
+                self._answered(self.requests_done - done)
+
+    def _arrived(self, n: int) -> None:
+        """n requests came in: as many fewer are expected in the admission window."""
+        self._expected = max(0, self._expected - n)
+
+    def _answered(self, n: int) -> None:
+        """A round finished n requests. The clients just answered often send their next
+        request at once: until as many arrive (or the window passes), chunks are one
+        iteration long, so each is admitted at the next iteration, not a chunk later."""
+        if n > 0 and self.admission_window > 0:
+            self._expected = min(self._expected + n, self.slots * len(self.pools))
+            self._window_end = time.monotonic() + self.admission_window
 
     def _window_open(self) -> bool:
         """Whether requests are expected in an open admission window (closes it once
