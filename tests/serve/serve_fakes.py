@@ -2,8 +2,8 @@
 interface) and a tokenizer of one token per character (`CharTokenizer`, for a server
 started in a subprocess without loading a model), the request bodies and the loopback
 test client the tests share (`body`, `chat_body`, `local_client`), /metrics read
-back (`metric_samples`, `metric`), and what a `serve` command line hands the engine
-(`engine_arguments`)."""
+back (`metric_samples`, `metric`), what a `serve` command line hands the engine
+(`engine_arguments`), and what a request is sent of `generate`'s row (`answer`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ PROMPT = "x = 4 y = 7 (1) x = y + 2 (2) y = x - 5 print y"
 # The TestClient's address: a loopback name (its default "testserver" is not one of the
 # server's own names, so its requests would be refused with 403).
 LOCAL = "http://127.0.0.1"
+
+
+def answer(model, row, max_tokens: int | None = None) -> list[int]:
+    """What a request is sent of `generate`'s row of tokens: the tokens before the
+    first stop token, at most max_tokens (None: no bound)."""
+    row = list(row.tolist() if hasattr(row, "tolist") else row)
+    stop = set(model.cfg.stop_token_ids)
+    cut = next((j for j, t in enumerate(row) if t in stop), len(row))
+    return row[:cut if max_tokens is None else min(cut, max_tokens)]
 
 
 def body(**kw):

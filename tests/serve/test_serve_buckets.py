@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from serve_fakes import MODEL, FakeEngine, ServerThread, body, local_client
+from serve_fakes import MODEL, FakeEngine, ServerThread, answer, body, local_client
 
 from asynclane_jax.decoding import generate
 from asynclane_jax.serve.engine import Engine, OverBudget
@@ -30,9 +30,8 @@ class Done:
 
 
 def expected(model, tok, prompt, gen_length):
-    row = generate(model, [prompt], gen_length=gen_length, tokenizer=tok).tokens[0].tolist()
-    stop = set(model.cfg.stop_token_ids)
-    return row[:next((j for j, t in enumerate(row) if t in stop), len(row))]
+    return answer(model, generate(model, [prompt], gen_length=gen_length,
+                                  tokenizer=tok).tokens[0])
 
 
 def run_all(eng, prompts, gen_length):
@@ -257,6 +256,4 @@ def test_idle_pools_beyond_max_pools_are_dropped(loaded):
         eng.shutdown()
     assert got[None][0] == got[None][1]
     want = generate(model, [prompt], gen_length=32, tokenizer=tok, block_length=16)
-    row = want.tokens[0].tolist()
-    stop = set(model.cfg.stop_token_ids)
-    assert got[16][0] == row[:next((j for j, t in enumerate(row) if t in stop), len(row))]
+    assert got[16][0] == answer(model, want.tokens[0])

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from serve_fakes import answer
 
 import asynclane_jax as aj
 from asynclane_jax.decoding import generate
@@ -38,14 +39,6 @@ def setup():
     eng = Engine(model, tok, model_name="tiny-llada", slots=2, gen_lengths=(G,),
                  chunk=BOUND, max_prompt=32, precompile="none", admission_window=0)
     return model, tok, prompts, want, eng
-
-
-def answer(model, row, max_tokens: int) -> list[int]:
-    """What a request of max_tokens is sent of `generate`'s row: its tokens up to the
-    first stop token, at most max_tokens."""
-    stop = set(model.cfg.stop_token_ids)
-    cut = next((j for j, t in enumerate(row.tolist()) if t in stop), len(row))
-    return row[:min(cut, max_tokens)].tolist()
 
 
 def collector(got: dict, name: str, order: list | None = None):

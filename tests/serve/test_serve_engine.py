@@ -11,6 +11,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from serve_fakes import answer
 
 import asynclane_jax as aj
 from asynclane_jax.decoding import generate
@@ -48,10 +49,9 @@ class Collector:
 
 def _expected(model, tok, prompt, gen_length, max_tokens, **options):
     res = generate(model, [prompt], gen_length=gen_length, tokenizer=tok, **options)
-    stop = set(model.cfg.stop_token_ids)
-    row = res.tokens[0].tolist()
-    cut = next((j for j, t in enumerate(row) if t in stop), len(row))
-    return row[:min(cut, max_tokens)], ("stop" if cut < max_tokens else "length")
+    want = answer(model, res.tokens[0], max_tokens)
+    # Shorter than max_tokens: a stop token (or the row's end) came first.
+    return want, ("stop" if len(want) < max_tokens else "length")
 
 
 def _serve(eng, prompts, max_tokens):
