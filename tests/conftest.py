@@ -12,15 +12,24 @@ from asynclane_jax import compile_cache
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # The tests' programs are tiny and compiled once or twice each, so compiling is most of
-# the suite's time: the CPU backend's code generation without LLVM's optimisation passes
-# compiles them in about two thirds of the time and runs them slower (the same
-# operations: a shipped model's logits and tokens came out bit for bit the same both
-# ways). Read when the backend starts, after this; the 8-device suite's process
-# inherits it. ASYNCLANE_TEST_XLA_OPT=1 keeps XLA's default.
-OPT_FLAG = "--xla_backend_optimization_level=0"
-if not os.environ.get("ASYNCLANE_TEST_XLA_OPT") and OPT_FLAG not in os.environ.get(
-        "XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + OPT_FLAG).strip()
+# the suite's time. Two settings of the CPU backend compile them faster:
+# - code generation without LLVM's optimisation passes: about two thirds of the compile
+#   time, and slower programs (the same operations: a shipped model's logits and tokens
+#   came out bit for bit the same both ways);
+# - the fused computations emitted by XLA's older elemental emitters instead of its MLIR
+#   fusion emitters: about a fifth less compile time again for the decode programs
+#   (experiments/results/health/suite_time.md). The flag is jaxlib 0.10's (the version
+#   the test extra pins), so it is given only to a jaxlib of that series: XLA stops at
+#   a flag it does not know.
+# Read when the backend starts, after this; the 8-device suite's process inherits them.
+# ASYNCLANE_TEST_XLA_OPT=1 keeps XLA's defaults.
+OPT_FLAGS = ["--xla_backend_optimization_level=0"]
+if jax.__version_info__[:2] == (0, 10):
+    OPT_FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+if not os.environ.get("ASYNCLANE_TEST_XLA_OPT"):
+    _flags = os.environ.get("XLA_FLAGS", "")
+    _missing = [f for f in OPT_FLAGS if f.split("=")[0] + "=" not in _flags]
+    os.environ["XLA_FLAGS"] = " ".join([_flags, *_missing]).strip()
 
 # One persistent compilation cache for the whole run: the programs a test compiles
 # again (a fresh engine, another test file, the 8-device suite's own process) are
