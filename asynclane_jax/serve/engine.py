@@ -67,6 +67,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -90,6 +91,7 @@ ADMISSION_WINDOW_S = 0.05
 # Structural configurations an operator may allow, at most (the server's own included):
 # each is a pool, and its programs, of its own.
 MAX_CONFIGS = 8
+log = logging.getLogger("asynclane_jax.serve")  # the server's logger (app.py's)
 
 
 class EngineError(ValueError):
@@ -692,17 +694,23 @@ class Engine:
         sizes = {"all": self.slot_buckets, "largest": self.slot_buckets[-1:],
                  "none": ()}[self.precompile]
         prompt = self._warm_prompt() if sizes and self.warm_up else None
-        for g in self.gen_lengths:
-            for n in self.prompt_lengths:
-                pool = self._pool(self._key(None, g, n))
+        keys = [(g, n) for g in self.gen_lengths for n in self.prompt_lengths] if sizes else []
+        for i, (g, n) in enumerate(keys, 1):
+            t0 = time.perf_counter()
+            pool = self._pool(self._key(None, g, n))
+            for b in sizes:
+                pool.program(b)
+            for a in sizes:  # and the moves between them
                 for b in sizes:
-                    pool.program(b)
-                for a in sizes:  # and the moves between them
-                    for b in sizes:
-                        if a != b:
-                            pool.mover(a, b)
-                if prompt is not None:
-                    pool.warm(sizes, prompt)
+                    if a != b:
+                        pool.mover(a, b)
+            if prompt is not None:
+                pool.warm(sizes, prompt)
+            # At start, one line per pool: an 8B model's pools take minutes each.
+            log.info("pool %d of %d ready: gen length %d, prompts up to %d tokens, "
+                     "slot counts %s%s, %.1f s", i, len(keys), g, n,
+                     ", ".join(map(str, sizes)), " (compiled and warmed)" if prompt is not None
+                     else " (compiled)", time.perf_counter() - t0)
         self._emitter = _Emitter(self)
         self._accepting = self._running = True
         self._thread = threading.Thread(target=self._loop, name="asynclane-engine",

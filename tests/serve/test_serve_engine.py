@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 
 import jax
@@ -127,7 +128,7 @@ def record_chunks(monkeypatch) -> list:
     return runs
 
 
-def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny, monkeypatch):
+def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny, monkeypatch, caplog):
     model, tok = tiny
     prompts = ev.prompts_for(tasks.heldout(3))
     # The default precompile ("all": every slot count of every bucket at start), here
@@ -137,8 +138,13 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(tiny, monkeypatch):
     with pytest.raises(EngineError, match="not running"):
         eng.submit(prompts[0], max_tokens=8, on_update=lambda u: None)
     runs = record_chunks(monkeypatch)
-    eng.start()
+    with caplog.at_level(logging.INFO, logger="asynclane_jax.serve"):
+        eng.start()
     assert runs == []  # warm_up=False: no program ran at start
+    # The start says how far it is, pool by pool.
+    ready = [r.getMessage() for r in caplog.records if "ready" in r.getMessage()]
+    assert len(ready) == 1 and ready[0].startswith(
+        "pool 1 of 1 ready: gen length 64, prompts up to 64 tokens, slot counts 1 (compiled),")
     # Serving compiles nothing once started: chunks that admit and chunks that do not
     # (whose all-mask canvas is made with the program), cancels, refusals.
     with backend_compiles() as compiled:
