@@ -694,7 +694,7 @@ class Engine:
         sizes = {"all": self.slot_buckets, "largest": self.slot_buckets[-1:],
                  "none": ()}[self.precompile]
         prompt = self._warm_prompt() if sizes and self.warm_up else None
-        keys = [(g, n) for g in self.gen_lengths for n in self.prompt_lengths] if sizes else []
+        keys = [(g, n) for g in self.gen_lengths for n in self.prompt_lengths]
         for i, (g, n) in enumerate(keys, 1):
             t0 = time.perf_counter()
             pool = self._pool(self._key(None, g, n))
@@ -706,7 +706,9 @@ class Engine:
                         pool.mover(a, b)
             if prompt is not None:
                 pool.warm(sizes, prompt)
-            # At start, one line per pool: an 8B model's pools take minutes each.
+            if not sizes:  # --precompile none: the pool compiles when first used
+                continue
+            # One line per pool compiled at start: an 8B model's take minutes each.
             log.info("pool %d of %d ready: gen length %d, prompts up to %d tokens, "
                      "slot counts %s%s, %.1f s", i, len(keys), g, n,
                      ", ".join(map(str, sizes)), " (compiled and warmed)" if prompt is not None
