@@ -706,13 +706,14 @@ class Engine:
                         pool.mover(a, b)
             if prompt is not None:
                 pool.warm(sizes, prompt)
-            if not sizes:  # --precompile none: the pool compiles when first used
-                continue
-            # One line per pool compiled at start: an 8B model's take minutes each.
-            log.info("pool %d of %d ready: gen length %d, prompts up to %d tokens, "
-                     "slot counts %s%s, %.1f s", i, len(keys), g, n,
-                     ", ".join(map(str, sizes)), " (compiled and warmed)" if prompt is not None
-                     else " (compiled)", time.perf_counter() - t0)
+            # One line per pool compiled at start (an 8B model's take minutes each); none
+            # with --precompile none, where a pool compiles when first used.
+            if sizes:
+                log.info("pool %d of %d ready: gen length %d, prompts up to %d tokens, "
+                         "slot counts %s%s, %.1f s", i, len(keys), g, n,
+                         ", ".join(map(str, sizes)),
+                         " (compiled and warmed)" if prompt is not None else " (compiled)",
+                         time.perf_counter() - t0)
         self._emitter = _Emitter(self)
         self._accepting = self._running = True
         self._thread = threading.Thread(target=self._loop, name="asynclane-engine",
